@@ -1,0 +1,40 @@
+# All set-up happens here: a fresh machine needs only python3 and make.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: test lint typecheck unit demo bench protos clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# Reinstall only when the dependency list changes.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+unit: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test: lint typecheck unit
+
+demo: $(STAMP)
+	$(PY) -m ztunnel.demo
+
+bench: $(STAMP)
+	$(PY) -m bench $(BENCH_ARGS)
+
+protos: $(STAMP)
+	$(PY) -m xds.generate
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
