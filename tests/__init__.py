@@ -1,0 +1,3 @@
+"""Test suite."""
+
+from __future__ import annotations

@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def ztunnel(*args: str, env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ztunnel", *args],
+        env={"PATH": os.environ["PATH"], **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        **kw,
+    )
+
+
+def test_version_and_help() -> None:
+    out = ztunnel("version")
+    assert out.returncode == 0 and out.stdout.startswith("ztunnel ")
+    out = ztunnel("help")
+    assert out.returncode == 0 and "usage: ztunnel" in out.stdout
+    out = ztunnel("frobnicate")
+    assert out.returncode == 2 and "unknown command 'frobnicate'" in out.stderr
+
+
+def test_config_prints_effective_configuration() -> None:
+    out = ztunnel("config", env={"CLUSTER_ID": "c9", "SECRET_TTL": "1h"})
+    assert out.returncode == 0, out.stderr
+    cfg = json.loads(out.stdout)
+    assert cfg["clusterId"] == "c9" and cfg["secretTtl"] == 3600
+
+
+def test_bad_env_exits_nonzero_with_message() -> None:
+    out = ztunnel("proxy", env={"POOL_MAX_STREAMS_PER_CONNECTION": "lots"})
+    assert out.returncode == 1
+    assert "invalid value for POOL_MAX_STREAMS_PER_CONNECTION: 'lots'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_bad_local_config_exits_nonzero_with_path(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("workloads: [{namespace: a, workloadIps: [nope]}]")
+    out = ztunnel("proxy", env={"XDS_ADDRESS": "", "FAKE_CA": "true", "LOCAL_XDS_PATH": str(bad)})
+    assert out.returncode == 1
+    assert f"{bad}: workloads[0].workloadIps[0]: 'nope' is not an IP address" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_proxy_runs_on_local_config_and_exits_cleanly_on_sigterm(tmp_path: Path) -> None:
+    env = {
+        "PATH": os.environ["PATH"],
+        "XDS_ADDRESS": "",
+        "FAKE_CA": "true",
+        "LOCAL_XDS_PATH": str(ROOT / "examples" / "localhost.yaml"),
+        "PROXY_MODE": "dedicated",
+        "PROXY_WORKLOAD_INFO": "default/local/default",
+        "ZTUNNEL_CA_DIR": str(tmp_path / "ca"),
+        "LOG_FORMAT": "json",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ztunnel", "proxy", "ztunnel"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(json.loads(line))
+            if lines[-1]["message"].startswith("ztunnel started"):
+                break
+        assert any(r["message"].startswith("loaded local config: 2 workloads") for r in lines), lines
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "shutdown complete" in out

@@ -1,0 +1,112 @@
+"""Wiring: builds every component from the :class:`~ztunnel.config.Config` and runs them until shutdown.
+
+Mirrors upstream ``app.rs``: control-plane state first (local config or xDS), certificates, then the data-plane
+listeners once state is ready; one :class:`~ztunnel.drain.Drain` shuts everything down in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ztunnel.config import Config
+from ztunnel.drain import Drain, DrainMode
+from ztunnel.localconfig import LocalConfig, load_local_config, parse_local_config
+from ztunnel.readiness import Readiness
+from ztunnel.state import ProxyState
+from ztunnel.tasks import TaskGroup
+
+log = logging.getLogger("ztunnel.app")
+
+
+class StartupError(Exception):
+    """ztunnel cannot start with this configuration; the message says what to fix."""
+
+
+@dataclass
+class App:
+    """A running ztunnel. Create with :func:`build`, then ``await app.start()`` and ``await app.wait()``."""
+
+    config: Config
+    state: ProxyState
+    readiness: Readiness = field(default_factory=Readiness)
+    drain: Drain = field(default_factory=Drain)
+    tasks: TaskGroup = field(default_factory=lambda: TaskGroup("app"))
+    local_config: LocalConfig | None = None
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def start(self) -> None:
+        """Load state and start every component. Raises :class:`StartupError` with a clear message."""
+        state_ready = self.readiness.register("state manager")
+        if self.local_config is not None:
+            self.state.apply(self.local_config.update)
+            log.info(
+                "loaded local config: %d workloads, %d services, %d policies",
+                len(self.state.workloads),
+                len(self.state.services),
+                len(self.state.policies),
+            )
+            state_ready.release()
+        elif self.config.xds_address is None:
+            # No control plane at all: upstream releases the state readiness at once.
+            state_ready.release()
+        else:
+            raise StartupError(
+                f"XDS_ADDRESS={self.config.xds_address} is set but this build has no xDS client yet; "
+                "use LOCAL_XDS_PATH (and XDS_ADDRESS='') for a local configuration"
+            )
+
+    def shutdown(self, mode: DrainMode = DrainMode.GRACEFUL) -> None:
+        """Start draining (idempotent); :meth:`wait` returns once everything has closed."""
+        self.readiness.draining = True
+        self.drain.start(mode)
+
+    async def wait(self) -> None:
+        """Run until a drain starts, then give connections until the deadline and stop."""
+        await self.drain.wait_started()
+        deadline = self.config.self_termination_deadline
+        finished = await self.tasks.wait(timeout=0 if self.drain.forced else deadline)
+        if not finished:
+            log.warning("drain duration expired with pending connections, forcefully shutting down")
+            self.drain.force()
+        await self.tasks.cancel_all(timeout=1.0)
+        self.stopped.set()
+        log.info("shutdown complete")
+
+
+def build(config: Config) -> App:
+    """Build the app from its config. Reads the local config file (if any) so errors surface before binding."""
+    local: LocalConfig | None = None
+    if config.local_xds_path is not None:
+        local = load_local_config(Path(config.local_xds_path), config.trust_domain)
+    elif config.local_xds is not None:
+        local = parse_local_config(config.local_xds, "LOCAL_XDS", config.trust_domain)
+    return App(config=config, state=ProxyState(config.node_name), local_config=local)
+
+
+def install_signal_handlers(app: App) -> None:
+    """First SIGTERM/SIGINT drains gracefully; a second SIGINT exits at once (upstream ``signal.rs``)."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if app.drain.draining and sig is signal.SIGINT:
+            log.warning("received second SIGINT, exiting immediately")
+            app.shutdown(DrainMode.IMMEDIATE)
+            return
+        log.info("received %s, starting drain", sig.name)
+        app.shutdown(DrainMode.GRACEFUL)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+
+async def run(config: Config) -> None:
+    """Build, start and run ztunnel until it is told to stop."""
+    app = build(config)
+    install_signal_handlers(app)
+    await app.start()
+    log.info("ztunnel started (mode %s)", config.proxy_mode.value)
+    await app.wait()
