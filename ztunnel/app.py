@@ -10,12 +10,20 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
-from ztunnel.config import Config
+from ztunnel.config import Config, ProxyMode
 from ztunnel.drain import Drain, DrainMode
+from ztunnel.identity.ca import CaError, LocalCA
+from ztunnel.identity.manager import CertificateProvider, LocalCertificateProvider
 from ztunnel.localconfig import LocalConfig, load_local_config, parse_local_config
+from ztunnel.proxy import Proxy
+from ztunnel.proxy.common import LocalWorkload, ProxyInputs, TlsContextCache
+from ztunnel.proxy.connection_manager import ConnectionManager
+from ztunnel.proxy.pool import WorkloadHBONEPool
 from ztunnel.readiness import Readiness
+from ztunnel.sockets import SocketConfig, SocketFactory
 from ztunnel.state import ProxyState
 from ztunnel.tasks import TaskGroup
 
@@ -36,6 +44,8 @@ class App:
     drain: Drain = field(default_factory=Drain)
     tasks: TaskGroup = field(default_factory=lambda: TaskGroup("app"))
     local_config: LocalConfig | None = None
+    certs: CertificateProvider | None = None
+    proxy: Proxy | None = None
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def start(self) -> None:
@@ -58,6 +68,47 @@ class App:
                 f"XDS_ADDRESS={self.config.xds_address} is set but this build has no xDS client yet; "
                 "use LOCAL_XDS_PATH (and XDS_ADDRESS='') for a local configuration"
             )
+        self.certs = self._certificate_provider()
+        if self.config.proxy_mode is ProxyMode.DEDICATED and self.config.enable_proxy:
+            proxy_ready = self.readiness.register("proxy")
+            self.proxy = self._dedicated_proxy()
+            await self.proxy.start()
+            proxy_ready.release()
+        elif self.config.proxy_mode is ProxyMode.SHARED:
+            raise StartupError(
+                "PROXY_MODE=shared (in-pod, driven by istio-cni over ZDS) is not available in this build yet; "
+                "use PROXY_MODE=dedicated with PROXY_WORKLOAD_INFO"
+            )
+
+    def _certificate_provider(self) -> CertificateProvider:
+        cfg = self.config
+        if not cfg.fake_ca:
+            raise StartupError(
+                f"CA_ADDRESS={cfg.ca_address} is set but this build has no Istio CA client yet; use FAKE_CA=true"
+            )
+        try:
+            ca = LocalCA.load_or_create(Path(cfg.ca_dir), cfg.trust_domain)
+        except (CaError, OSError) as e:
+            raise StartupError(f"local CA in {cfg.ca_dir}: {e}") from None
+        return LocalCertificateProvider(ca, timedelta(seconds=cfg.secret_ttl))
+
+    def _dedicated_proxy(self) -> Proxy:
+        cfg = self.config
+        assert cfg.proxy_workload_info is not None and self.certs is not None
+        sockets = SocketFactory(SocketConfig.from_config(cfg))
+        contexts = TlsContextCache(cfg.tls12_enabled)
+        pi = ProxyInputs(
+            config=cfg,
+            state=self.state,
+            certs=self.certs,
+            sockets=sockets,
+            local=LocalWorkload(self.state, cfg.proxy_workload_info),
+            drain=self.drain,
+            contexts=contexts,
+            pool=WorkloadHBONEPool(cfg, self.certs, sockets, contexts),
+            connections=ConnectionManager(),
+        )
+        return Proxy(pi)
 
     def shutdown(self, mode: DrainMode = DrainMode.GRACEFUL) -> None:
         """Start draining (idempotent); :meth:`wait` returns once everything has closed."""
@@ -67,11 +118,15 @@ class App:
     async def wait(self) -> None:
         """Run until a drain starts, then give connections until the deadline and stop."""
         await self.drain.wait_started()
-        deadline = self.config.self_termination_deadline
-        finished = await self.tasks.wait(timeout=0 if self.drain.forced else deadline)
-        if not finished:
-            log.warning("drain duration expired with pending connections, forcefully shutting down")
-            self.drain.force()
+        deadline = 0.0 if self.drain.forced else self.config.self_termination_deadline
+        proxy = self.proxy
+        if proxy is not None:
+            proxy.drain()
+            if not await proxy.wait_idle(deadline):
+                log.warning("drain duration expired with pending connections, forcefully shutting down")
+                self.drain.force()
+                proxy.force_close("drain deadline expired")
+            await proxy.pi.tasks.cancel_all(timeout=1.0)
         await self.tasks.cancel_all(timeout=1.0)
         self.stopped.set()
         log.info("shutdown complete")

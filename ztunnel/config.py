@@ -240,7 +240,7 @@ class Config:
 
     @property
     def node_id(self) -> str:
-        """xDS node id: ``ztunnel~<INSTANCE_IP|1.1.1.1>~<POD_NAME>.<POD_NAMESPACE>~<POD_NAMESPACE>.svc.cluster.local``."""
+        """The xDS node id: ``ztunnel~<INSTANCE_IP|1.1.1.1>~<POD_NAME>.<NS>~<NS>.svc.cluster.local``."""
         ip = self.instance_ip or "1.1.1.1"
         ns = self.pod_namespace or ""
         return f"ztunnel~{ip}~{self.pod_name or ''}.{ns}~{ns}.svc.cluster.local"  # literal domain, as upstream

@@ -1,0 +1,83 @@
+"""The data plane: one :class:`Proxy` per proxied workload, with a module per listener, named as upstream's.
+
+``outbound`` (15001), ``inbound`` (15008, HBONE), ``inbound_passthrough`` (15006), ``socks5`` (15080), the HBONE
+connection ``pool``, the ``relay``, and the ``hbone`` package (the sans-IO HTTP/2 CONNECT core and its TLS adapter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ztunnel.proxy.common import ProxyInputs
+from ztunnel.proxy.inbound import Authorizer, Inbound, allow_all
+from ztunnel.proxy.inbound_passthrough import InboundPassthrough
+from ztunnel.proxy.outbound import Outbound
+from ztunnel.proxy.socks5 import Socks5
+
+log = logging.getLogger("ztunnel.proxy")
+
+
+class Proxy:
+    """The listeners of one proxied workload, sharing one pool and one connection manager."""
+
+    def __init__(self, pi: ProxyInputs, authorize: Authorizer = allow_all) -> None:
+        self.pi = pi
+        self.outbound = Outbound(pi)
+        self.inbound = Inbound(pi, authorize)
+        self.inbound_passthrough = InboundPassthrough(pi, authorize)
+        self.socks5 = Socks5(pi, self.outbound.proxy_to) if pi.config.socks5_enabled else None
+
+    async def start(self) -> None:
+        """Bind every listener; on failure nothing stays bound."""
+        try:
+            await self.inbound.start()
+            await self.inbound_passthrough.start()
+            await self.outbound.start()
+            if self.socks5 is not None:
+                await self.socks5.start()
+        except BaseException:
+            self.stop_listening()
+            raise
+        log.info(
+            "proxy listening: outbound %s, inbound %s, inbound plaintext %s%s",
+            _fmt(self.outbound.address),
+            _fmt(self.inbound.address),
+            _fmt(self.inbound_passthrough.address),
+            f", socks5 {_fmt(self.socks5.address)}" if self.socks5 is not None else "",
+        )
+
+    def stop_listening(self) -> None:
+        for listener in (self.outbound, self.inbound, self.inbound_passthrough, self.socks5):
+            if listener is not None:
+                listener.stop()
+
+    def drain(self) -> None:
+        """Stop accepting; ask HBONE peers to move on (GOAWAY); open connections may finish."""
+        self.stop_listening()
+        self.inbound.drain()
+        self.pi.pool.close()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until every tracked connection closed; False if some were still open at ``timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while len(self.pi.connections) or len(self.pi.tasks):
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    def force_close(self, reason: str) -> None:
+        self.pi.connections.close_all(reason)
+        self.pi.pool.abort(reason)
+        for conn in list(self.inbound.connections):
+            conn.abort(reason)
+
+
+def _fmt(addr: tuple[str, int]) -> str:
+    host, port = addr[0], addr[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+__all__ = ["Proxy", "ProxyInputs"]

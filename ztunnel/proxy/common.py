@@ -1,0 +1,170 @@
+"""What every listener shares (upstream ``proxy.rs``): inputs, errors with response flags, HBONE headers, the
+proxied workload's identity and certificates, and the TLS context cache."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+import random
+import ssl
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ztunnel import tls
+from ztunnel.config import Config, WorkloadInfo
+from ztunnel.drain import Drain
+from ztunnel.identity.certificate import WorkloadCertificate
+from ztunnel.identity.manager import CertificateProvider
+from ztunnel.identity.spiffe import Identity
+from ztunnel.sockets import SocketFactory
+from ztunnel.state import ProxyState, StateChange
+from ztunnel.state.workload import IPAddress, Workload
+from ztunnel.tasks import TaskGroup
+
+if TYPE_CHECKING:
+    from ztunnel.proxy.connection_manager import ConnectionManager
+    from ztunnel.proxy.pool import WorkloadHBONEPool
+
+log = logging.getLogger("ztunnel.proxy")
+
+BAGGAGE_HEADER = "baggage"
+FORWARDED_HEADER = "forwarded"
+TRACEPARENT_HEADER = "traceparent"
+X_FORWARDED_NETWORK = "x-forwarded-network"
+# Upstream waits this long for a workload to appear in xDS before giving up (proxy.rs wait_for_workload).
+WORKLOAD_WAIT_TIMEOUT = 5.0
+CONNECTION_TIMEOUT = 10.0
+
+
+class ResponseFlag(enum.Enum):
+    """``response_flags`` metric label and access-log values (upstream ``proxy/metrics.rs``)."""
+
+    NONE = "-"
+    DENY = "DENY"
+    CONNECT = "CONNECT"
+    TLS_FAILURE = "TLS_FAILURE"
+    H2_HANDSHAKE_FAILURE = "H2_HANDSHAKE_FAILURE"
+    NETWORK_POLICY = "NETWORK_POLICY"
+    IDENTITY_ERROR = "IDENTITY_ERROR"
+    CERT_REVOKED = "CERT_REVOKED"
+
+
+class ProxyError(Exception):
+    """A connection could not be proxied. ``flag`` is the response flag; the message goes to the access log."""
+
+    def __init__(self, message: str, flag: ResponseFlag = ResponseFlag.CONNECT) -> None:
+        super().__init__(message)
+        self.flag = flag
+
+
+def format_addr(ip: IPAddress, port: int) -> str:
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def forwarded_header(src: tuple[IPAddress, int], service_hostname: str | None) -> str:
+    """``for="<src ip:port>"``, plus ``;host=<service hostname>`` when the traffic was service-addressed."""
+    value = f'for="{format_addr(*src)}"'
+    return f"{value};host={service_hostname}" if service_hostname else value
+
+
+def new_traceparent() -> str:
+    """A random W3C ``traceparent`` (``00-<32 hex>-<16 hex>-00``), one per connection as upstream."""
+    return f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-00"
+
+
+class TlsContextCache:
+    """SSL contexts per certificate: building one loads the chain and key (~0.3 ms), so do it once per cert."""
+
+    def __init__(self, tls12_enabled: bool = False) -> None:
+        self.tls12_enabled = tls12_enabled
+        self._client: dict[Identity, tuple[WorkloadCertificate, ssl.SSLContext]] = {}
+        self._server: dict[Identity, tuple[WorkloadCertificate, ssl.SSLContext]] = {}
+
+    def client(self, identity: Identity, cert: WorkloadCertificate) -> ssl.SSLContext:
+        hit = self._client.get(identity)
+        if hit is not None and hit[0] is cert:
+            return hit[1]
+        ctx = tls.client_context(cert, tls12_enabled=self.tls12_enabled)
+        self._client[identity] = (cert, ctx)
+        return ctx
+
+    def server(self, identity: Identity, cert: WorkloadCertificate) -> ssl.SSLContext:
+        hit = self._server.get(identity)
+        if hit is not None and hit[0] is cert:
+            return hit[1]
+        ctx = tls.server_context(cert, tls12_enabled=self.tls12_enabled)
+        self._server[identity] = (cert, ctx)
+        return ctx
+
+
+class LocalWorkload:
+    """The workload a proxy serves (dedicated: ``PROXY_WORKLOAD_INFO``; in-pod: from ZDS), found in xDS state.
+
+    Upstream waits up to 5 s for the workload to appear before failing the connection: xDS may lag the pod.
+    """
+
+    def __init__(self, state: ProxyState, info: WorkloadInfo) -> None:
+        self.state = state
+        self.info = info
+        self._cached: Workload | None = None
+        self._version = -1
+        self._waiters: list[asyncio.Future[None]] = []
+        self._unsubscribe = state.subscribe(self._on_change)
+
+    def _on_change(self, change: StateChange) -> None:
+        if change.workloads:
+            self._version = -1
+            for w in self._waiters:
+                if not w.done():
+                    w.set_result(None)
+            self._waiters.clear()
+
+    def find(self) -> Workload | None:
+        if self._version == self.state.version and self._cached is not None:
+            return self._cached
+        info = self.info
+        self._cached = self.state.workloads.find_local(info.namespace, info.name, info.service_account)
+        self._version = self.state.version
+        return self._cached
+
+    async def get(self, timeout: float = WORKLOAD_WAIT_TIMEOUT) -> Workload:
+        w = self.find()
+        if w is not None:
+            return w
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while w is None:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise ProxyError(f"failed to fetch information about local workload {self.info}: not found in xDS")
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(fut)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fut, remaining)
+            w = self.find()
+        return w
+
+    def close(self) -> None:
+        self._unsubscribe()
+
+
+@dataclass
+class ProxyInputs:
+    """Everything a proxy's listeners share (upstream ``ProxyInputs``)."""
+
+    config: Config
+    state: ProxyState
+    certs: CertificateProvider
+    sockets: SocketFactory
+    local: LocalWorkload
+    drain: Drain
+    contexts: TlsContextCache
+    pool: WorkloadHBONEPool
+    connections: ConnectionManager
+    tasks: TaskGroup = field(default_factory=lambda: TaskGroup("proxy"))
+    rng: random.Random = field(default_factory=random.Random)
+    # In dedicated mode the listeners are shared by every workload on the host; transparent is best effort.
+    transparent: bool = False

@@ -1,0 +1,127 @@
+"""Tracks every proxied connection: for policy re-evaluation, the admin ``/connections`` view, metrics and the
+access log (upstream ``proxy/connection_manager.rs`` and the access-log half of ``proxy/metrics.rs``).
+
+A connection is registered when it is established and released when it closes; the release writes the access log
+line (``connection complete``) with upstream's fields. Byte counts are read from the relay at that moment, never
+per chunk.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from ztunnel.identity.spiffe import Identity
+from ztunnel.proxy.common import ResponseFlag, format_addr
+from ztunnel.state.workload import IPAddress, Workload
+from ztunnel.telemetry import log as log_fields
+
+access = logging.getLogger("access")
+
+
+class Direction(enum.Enum):
+    INBOUND = "inbound"
+    OUTBOUND = "outbound"
+
+
+@dataclass(eq=False)
+class ConnectionRecord:
+    """One proxied connection, as the access log, metrics and admin see it."""
+
+    direction: Direction
+    src: tuple[IPAddress, int]
+    dst: tuple[IPAddress, int]  # the L4 next hop (inbound: the address dialled on 15008)
+    hbone_target: str | None = None  # the :authority, when HBONE
+    src_identity: Identity | None = None
+    dst_identity: Identity | None = None
+    src_workload: Workload | None = None
+    dst_workload: Workload | None = None
+    dst_service: str | None = None
+    mtls: bool = False
+    policy: str = ""
+    started: float = field(default_factory=time.monotonic)
+    id: int = 0
+    # Live byte counters: callables reading the relay's ints (sent = upstream->downstream, recv = the other way).
+    bytes_sent: Callable[[], int] = field(default=lambda: 0)
+    bytes_recv: Callable[[], int] = field(default=lambda: 0)
+    # Closes the connection now (policy change, drain); set by the listener that owns it.
+    closer: Callable[[str], None] | None = None
+
+    def fields(self) -> dict[str, object]:
+        out: dict[str, object] = {"src.addr": format_addr(*self.src)}
+        if self.src_workload is not None:
+            out["src.workload"] = self.src_workload.name
+            out["src.namespace"] = self.src_workload.namespace
+        if self.src_identity is not None:
+            out["src.identity"] = str(self.src_identity)
+        out["dst.addr"] = format_addr(*self.dst)
+        if self.hbone_target is not None:
+            out["dst.hbone_addr"] = self.hbone_target
+        if self.dst_service is not None:
+            out["dst.service"] = self.dst_service
+        if self.dst_workload is not None:
+            out["dst.workload"] = self.dst_workload.name
+            out["dst.namespace"] = self.dst_workload.namespace
+        if self.dst_identity is not None:
+            out["dst.identity"] = str(self.dst_identity)
+        out["direction"] = self.direction.value
+        return out
+
+
+class ConnectionManager:
+    """The set of open connections of one proxy."""
+
+    def __init__(self) -> None:
+        self._open: dict[int, ConnectionRecord] = {}
+        self._ids = itertools.count(1)
+        self.on_close: list[Callable[[ConnectionRecord, ResponseFlag, str | None], None]] = []
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def __iter__(self) -> Iterator[ConnectionRecord]:
+        return iter(list(self._open.values()))
+
+    def register(self, record: ConnectionRecord) -> ConnectionRecord:
+        record.id = next(self._ids)
+        self._open[record.id] = record
+        if access.isEnabledFor(logging.DEBUG):
+            log_fields(access, logging.DEBUG, "connection opened", **record.fields())
+        return record
+
+    def release(
+        self, record: ConnectionRecord, flag: ResponseFlag = ResponseFlag.NONE, error: str | None = None
+    ) -> None:
+        """The connection closed: write the access log and tell listeners (metrics)."""
+        if self._open.pop(record.id, None) is None:
+            return
+        for cb in self.on_close:
+            cb(record, flag, error)
+        fields = record.fields()
+        fields["bytes_sent"] = record.bytes_sent()
+        fields["bytes_recv"] = record.bytes_recv()
+        fields["duration"] = f"{int((time.monotonic() - record.started) * 1000)}ms"
+        if error is None:
+            log_fields(access, logging.INFO, "connection complete", **fields)
+        else:
+            fields["error"] = error
+            log_fields(access, logging.ERROR, "connection complete", **fields)
+
+    def close_all(self, reason: str) -> None:
+        for record in list(self._open.values()):
+            if record.closer is not None:
+                record.closer(reason)
+
+
+def log_failed(direction: Direction, src: tuple[IPAddress, int], dst: tuple[IPAddress, int] | None, error: str) -> None:
+    """An early failure (before a connection was established): upstream's WARN ``connection failed``."""
+    fields: dict[str, object] = {"src.addr": format_addr(*src)}
+    if dst is not None:
+        fields["dst.addr"] = format_addr(*dst)
+    fields["direction"] = direction.value
+    fields["error"] = error
+    log_fields(access, logging.WARNING, "connection failed", **fields)

@@ -1,0 +1,388 @@
+"""The I/O adapter for one HBONE connection: TCP + TLS (memory BIO) + :class:`HboneConnection`.
+
+One ``asyncio.BufferedProtocol`` does the TLS itself over ``ssl.MemoryBIO`` rather than using the loop's TLS
+transport, so that (a) decrypted bytes land directly in the HTTP/2 receive buffer (``SSLObject.read`` into it), and
+(b) a DATA frame built in place in a relay buffer is encrypted by one ``SSLObject.write`` with no copy. Writes made
+while events are being dispatched are flushed once at the end, so a read that produces many small frames costs one
+``transport.write``.
+
+Backpressure: when the TCP transport's buffer passes its high-water mark (1 MiB), every stream is told to stop
+reading its plaintext side; they resume when it drains below 256 KiB. Receive-side backpressure is HTTP/2 flow
+control (see ``core``).
+
+Keepalive as upstream: a PING every 10 s; no answer within 20 s closes the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Callable
+from typing import Protocol, cast
+
+from ztunnel.identity.spiffe import Identity
+from ztunnel.proxy.hbone.core import (
+    ConnectRequested,
+    ConnectResponded,
+    DataReceived,
+    ErrorCode,
+    Event,
+    GoAwayReceived,
+    HboneConnection,
+    HboneProtocolError,
+    PingAcked,
+    RemoteSettingsChanged,
+    StreamEnded,
+    StreamReset,
+    WindowOpened,
+)
+
+log = logging.getLogger("ztunnel.proxy.h2")
+
+PING_INTERVAL = 10.0
+PING_TIMEOUT = 20.0
+HANDSHAKE_TIMEOUT = 10.0
+WRITE_HIGH_WATER = 1024 * 1024
+WRITE_LOW_WATER = 256 * 1024
+_CIPHER_BUFFER_MIN = 16 * 1024
+_CIPHER_BUFFER_MAX = 256 * 1024
+
+
+class StreamHandler(Protocol):
+    """What a tunnel attached to an HBONE stream receives."""
+
+    def on_response(self, status: int, headers: dict[str, str]) -> None: ...
+    def on_data(self, data: memoryview, flow_controlled_length: int) -> None: ...
+    def on_end(self) -> None: ...
+    def on_reset(self, error_code: int) -> None: ...
+    def on_window(self) -> None: ...
+    def on_write_paused(self, paused: bool) -> None: ...
+    def on_connection_lost(self, reason: str) -> None: ...
+
+
+class HboneTransport(asyncio.BufferedProtocol):
+    """TLS and HTTP/2 for one HBONE connection (either role). Streams attach as :class:`StreamHandler`."""
+
+    def __init__(
+        self,
+        core: HboneConnection,
+        ssl_context: ssl.SSLContext | None,
+        *,
+        on_handshake: Callable[[HboneTransport], None],
+        on_connect_request: Callable[[HboneTransport, ConnectRequested], None] | None = None,
+        on_closed: Callable[[HboneTransport], None] | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    ) -> None:
+        self.core = core
+        self._ssl_context = ssl_context
+        self._on_handshake = on_handshake
+        self._on_connect_request = on_connect_request
+        self._on_closed = on_closed
+        self._handshake_timeout = handshake_timeout
+        self.handlers: dict[int, StreamHandler] = {}
+        self.transport: asyncio.Transport | None = None
+        self.peer: tuple[str, int] | None = None
+        self.local: tuple[str, int] | None = None
+        self.ssl_object: ssl.SSLObject | None = None
+        self.peer_identity: Identity | None = None  # set once the peer's certificate was verified
+        self.handshake_done = False
+        self.closed = False
+        self.close_reason = ""
+        self.write_paused = False
+        self.last_active = time.monotonic()
+        self._in_bio = ssl.MemoryBIO()
+        self._out_bio = ssl.MemoryBIO()
+        self._cbuf = bytearray(_CIPHER_BUFFER_MIN)
+        self._cview = memoryview(self._cbuf)
+        self._dispatching = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._ping_sent_at: float | None = None
+        self.max_concurrent_streams: int | None = None
+
+    # -- asyncio protocol --------------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+        transport = self.transport
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.peer = transport.get_extra_info("peername")
+        self.local = transport.get_extra_info("sockname")
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self._handshake_timeout, self._on_handshake_timeout)
+        if self._ssl_context is not None:
+            self.start_tls(self._ssl_context)
+
+    def start_tls(self, ssl_context: ssl.SSLContext) -> None:
+        """Begin the handshake (a server may only know its certificate after the connection arrived)."""
+        if self.closed or self.ssl_object is not None:
+            return
+        self.ssl_object = ssl_context.wrap_bio(
+            self._in_bio, self._out_bio, server_side=not self.core.client_side, server_hostname=None
+        )
+        self._do_handshake()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._cview
+
+    def buffer_updated(self, nbytes: int) -> None:
+        # A read that fills the ciphertext buffer means more is queued: grow it (16 KiB -> 256 KiB).
+        if nbytes == len(self._cbuf) and nbytes < _CIPHER_BUFFER_MAX:
+            self._in_bio.write(self._cview[:nbytes])
+            self._cbuf = bytearray(nbytes * 4)
+            self._cview = memoryview(self._cbuf)
+        else:
+            self._in_bio.write(self._cview[:nbytes])
+        if not self.handshake_done:
+            if self.ssl_object is not None:
+                self._do_handshake()  # reads any application data that came with the last handshake flight
+            return
+        self._read_tls()
+
+    def eof_received(self) -> bool:
+        self._lost("peer closed the connection")
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost(f"connection lost: {exc}" if exc else "connection closed")
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        for handler in list(self.handlers.values()):
+            handler.on_write_paused(True)
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        for handler in list(self.handlers.values()):
+            handler.on_write_paused(False)
+
+    # -- TLS ---------------------------------------------------------------------------------------------------
+
+    def _do_handshake(self) -> None:
+        assert self.ssl_object is not None
+        try:
+            self.ssl_object.do_handshake()
+        except ssl.SSLWantReadError:
+            self._flush_tls()
+            return
+        except (ssl.SSLError, OSError) as e:
+            self._flush_tls()  # send the alert, if any
+            self.abort(f"TLS handshake failed: {_ssl_reason(e)}")
+            return
+        self.handshake_done = True
+        self._cancel_timer()
+        self._flush_tls()
+        self._on_handshake(self)  # verifies the peer; may abort
+        if self.closed:
+            return
+        self.core.initiate()
+        self.flush()
+        self._schedule_ping()
+        if self._in_bio.pending:
+            self._read_tls()
+
+    def _on_handshake_timeout(self) -> None:
+        if not self.handshake_done:
+            self.abort(f"TLS handshake timed out after {self._handshake_timeout:g}s")
+
+    def _read_tls(self) -> None:
+        sslobj = self.ssl_object
+        assert sslobj is not None
+        core = self.core
+        self._dispatching = True
+        try:
+            while not self.closed:
+                dst = core.get_buffer()
+                got = 0
+                size = len(dst)
+                try:
+                    # Drain as many TLS records as fit, then parse once: the per-call cost is paid per read.
+                    while got < size:
+                        n = cast(int, sslobj.read(size - got, dst[got:]))  # with a buffer: a count
+                        if n == 0:
+                            break
+                        got += n
+                except ssl.SSLWantReadError:
+                    pass
+                except ssl.SSLZeroReturnError:
+                    if got:
+                        self._dispatch(core.buffer_updated(got))
+                    self.abort("peer sent TLS close_notify")
+                    return
+                except ssl.SSLError as e:
+                    self.abort(f"TLS error: {_ssl_reason(e)}")
+                    return
+                if not got:
+                    break
+                self._dispatch(core.buffer_updated(got))
+                if got < size:
+                    break
+        except HboneProtocolError as e:
+            self.flush()
+            self.abort(str(e))
+        finally:
+            self._dispatching = False
+        if not self.closed:
+            self.last_active = time.monotonic()
+            self.flush()
+
+    def _flush_tls(self) -> None:
+        data = self._out_bio.read()
+        if data and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    # -- events ------------------------------------------------------------------------------------------------
+
+    def _dispatch(self, events: list[Event]) -> None:
+        handlers = self.handlers
+        for ev in events:
+            if type(ev) is DataReceived:
+                h = handlers.get(ev.stream_id)
+                if h is not None:
+                    h.on_data(ev.data, ev.flow_controlled_length)
+                else:
+                    self.core.ack_data(ev.stream_id, ev.flow_controlled_length)
+            elif type(ev) is WindowOpened:
+                if ev.stream_id:
+                    h = handlers.get(ev.stream_id)
+                    if h is not None:
+                        h.on_window()
+                else:
+                    for h in list(handlers.values()):
+                        h.on_window()
+            elif type(ev) is ConnectRequested:
+                if self._on_connect_request is not None:
+                    self._on_connect_request(self, ev)
+                else:
+                    self.core.reset_stream(ev.stream_id, ErrorCode.REFUSED_STREAM)
+            elif type(ev) is ConnectResponded:
+                h = handlers.get(ev.stream_id)
+                if h is not None:
+                    h.on_response(ev.status, ev.headers)
+            elif type(ev) is StreamEnded:
+                h = handlers.get(ev.stream_id)
+                if h is not None:
+                    h.on_end()
+            elif type(ev) is StreamReset:
+                h = handlers.pop(ev.stream_id, None)
+                if h is not None:
+                    h.on_reset(ev.error_code)
+            elif type(ev) is PingAcked:
+                self._ping_sent_at = None
+            elif type(ev) is GoAwayReceived:
+                log.debug("GOAWAY from %s: code %d, last stream %d", self.peer, ev.error_code, ev.last_stream_id)
+                # Streams above last_stream_id were never processed; those at or below may finish.
+                for sid in [s for s in handlers if s > ev.last_stream_id]:
+                    handlers.pop(sid).on_reset(ErrorCode.REFUSED_STREAM)
+                if not handlers:
+                    self.close("peer sent GOAWAY")
+            elif type(ev) is RemoteSettingsChanged and ev.max_concurrent_streams is not None:
+                self.max_concurrent_streams = ev.max_concurrent_streams
+
+    # -- writing -----------------------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Send whatever the HTTP/2 core has queued (now, or at the end of the current dispatch)."""
+        if self._dispatching or self.closed or self.ssl_object is None or not self.handshake_done:
+            return
+        pending = self.core.data_to_send()
+        if pending:
+            self.ssl_object.write(pending)
+            self._flush_tls()
+
+    def write_frame(self, frame: memoryview) -> None:
+        """Send queued control frames, then one DATA frame built in place by ``core.frame_data``."""
+        sslobj = self.ssl_object
+        if self.closed or sslobj is None:
+            return
+        pending = self.core.data_to_send()
+        if pending:
+            sslobj.write(pending)
+        sslobj.write(frame)
+        if not self._dispatching:
+            self._flush_tls()
+
+    def detach(self, stream_id: int) -> None:
+        self.handlers.pop(stream_id, None)
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def _schedule_ping(self) -> None:
+        self._cancel_timer()
+        self._timer = asyncio.get_running_loop().call_later(PING_INTERVAL, self._on_ping_timer)
+
+    def _on_ping_timer(self) -> None:
+        if self.closed:
+            return
+        now = time.monotonic()
+        if self._ping_sent_at is not None and now - self._ping_sent_at >= PING_TIMEOUT:
+            # Upstream: keepalive timeout -> abrupt GOAWAY NO_ERROR, then drop the connection.
+            self.core.goaway(ErrorCode.NO_ERROR)
+            self.flush()
+            self.abort(f"no PING response within {PING_TIMEOUT:g}s")
+            return
+        if self._ping_sent_at is None:
+            self._ping_sent_at = now
+            self.core.ping()
+            self.flush()
+        self._schedule_ping()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def goaway(self) -> None:
+        """Graceful drain: no new streams; close once the open ones finish."""
+        if self.closed:
+            return
+        self.core.goaway(ErrorCode.NO_ERROR)
+        self.flush()
+        if not self.handlers:
+            self.close("drained")
+
+    def close(self, reason: str) -> None:
+        """Close politely: TLS close_notify, then TCP FIN once the write buffer drains."""
+        if self.closed:
+            return
+        if self.ssl_object is not None and self.handshake_done:
+            with contextlib.suppress(ssl.SSLError):
+                self.ssl_object.unwrap()
+            self._flush_tls()
+        self._lost(reason)
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self, reason: str) -> None:
+        """Close at once (protocol error, timeout, failed verification)."""
+        if self.closed:
+            return
+        self._lost(reason)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _lost(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.close_reason = reason
+        self.core.closed = True
+        self._cancel_timer()
+        handlers, self.handlers = self.handlers, {}
+        for h in handlers.values():
+            h.on_connection_lost(reason)
+        if self._on_closed is not None:
+            self._on_closed(self)
+
+
+def _ssl_reason(e: BaseException) -> str:
+    if isinstance(e, ssl.SSLError):
+        return e.reason or e.strerror or str(e)
+    return str(e)

@@ -1,0 +1,598 @@
+"""Sans-IO HBONE: HTTP/2 CONNECT tunnels on h2, with DATA frames kept off h2's per-frame path.
+
+Theory of operation
+-------------------
+h2 is the state machine for everything but DATA: the connection preface and SETTINGS, HEADERS (the CONNECT request
+and its response), RST_STREAM, WINDOW_UPDATE, PING and GOAWAY all go through ``H2Connection`` unchanged, so stream
+states, HPACK and the protocol checks are h2's. DATA frames, which carry every tunnelled byte, are parsed and built
+here instead, because h2's path for them costs several copies and an eager ``repr`` of each frame (hex-encoding the
+payload: about 20% of a receiver's CPU, measured on these machines). This is the split the benchmark needs.
+
+Receiving: the I/O layer decrypts straight into :meth:`HboneConnection.get_buffer` and calls
+:meth:`HboneConnection.buffer_updated`. DATA payloads are delivered *streaming*, as soon as bytes of a frame arrive
+(a 1 MiB frame need not be buffered whole), as :class:`DataReceived` events whose ``data`` is a memoryview into the
+receive buffer: valid until the next ``get_buffer``; a consumer that keeps it (a transport that could not write it
+all) calls :meth:`HboneConnection.pin` and the next read goes to a fresh buffer. Other frames are passed, in wire
+order, to h2 whole. A DATA frame on a stream this side does not know (closed, reset) also goes to h2, which answers
+it the way RFC 9113 asks.
+
+Flow control: the connection window is released as soon as bytes are taken off the connection (the consumer has
+them), so one slow stream cannot stall the others; a stream's window is released by the consumer
+(:meth:`ack_data`) once the bytes have left, so a slow reader holds back at most its 4 MiB stream window. Window
+updates are batched (sent once a quarter of the window is consumed) so small request/response traffic costs no
+extra frames.
+
+Sending: :meth:`frame_data` writes the 9-byte DATA header into the caller's buffer just before the payload, so
+header and payload reach TLS as one contiguous write (one record, no copy). Windows and the peer's maximum frame
+size are read from, and charged to, h2's own accounting, so h2's WINDOW_UPDATE handling stays authoritative.
+Anything h2 has queued (HEADERS, WINDOW_UPDATE, ...) is returned first, so frames leave in the order they were made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+
+# Frame header: 24-bit length + 8-bit type packed as one u32, then flags (u8) and stream id (u32).
+_HEADER = struct.Struct(">IBI")
+_WINDOW_UPDATE = struct.Struct(">IBII")
+FRAME_HEADER_SIZE = 9
+DATA = 0x0
+FLAG_END_STREAM = 0x1
+FLAG_PADDED = 0x8
+_PREFACE_SIZE = 24
+# Receive buffers start small and grow with traffic: an idle connection should cost little memory, a busy one
+# should read a socket's worth (256 KiB) per call.
+_MIN_BUFFER = 16 * 1024
+_READ_CHUNK = 256 * 1024
+
+
+class ErrorCode(enum.IntEnum):
+    NO_ERROR = 0x0
+    PROTOCOL_ERROR = 0x1
+    INTERNAL_ERROR = 0x2
+    FLOW_CONTROL_ERROR = 0x3
+    STREAM_CLOSED = 0x5
+    FRAME_SIZE_ERROR = 0x6
+    REFUSED_STREAM = 0x7
+    CANCEL = 0x8
+    CONNECT_ERROR = 0xA
+    ENHANCE_YOUR_CALM = 0xB
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """HTTP/2 settings as upstream ztunnel uses them (``h2/client.rs``, ``h2/server.rs``)."""
+
+    stream_window: int = 4 * 1024 * 1024
+    connection_window: int = 16 * 1024 * 1024
+    max_frame_size: int = 1024 * 1024
+    max_concurrent_streams: int | None = None  # server: 200; client: not advertised
+    max_header_list_size: int = 16 * 1024  # client 16 KiB, server 64 KiB
+
+
+CLIENT_SETTINGS = Settings(max_header_list_size=16 * 1024)
+SERVER_SETTINGS = Settings(max_concurrent_streams=200, max_header_list_size=64 * 1024)
+
+
+# -- events (past tense) -----------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ConnectRequested:
+    """Server: a CONNECT (or another method, which the server must refuse with 400) opened ``stream_id``."""
+
+    stream_id: int
+    method: str
+    authority: str
+    headers: dict[str, str]
+
+
+@dataclass(slots=True)
+class ConnectResponded:
+    """Client: the response to our CONNECT arrived."""
+
+    stream_id: int
+    status: int
+    headers: dict[str, str]
+
+
+@dataclass(slots=True)
+class DataReceived:
+    """Payload bytes for a stream; ``data`` is a view into the receive buffer (see the module docstring)."""
+
+    stream_id: int
+    data: memoryview
+    flow_controlled_length: int
+
+
+@dataclass(slots=True)
+class StreamEnded:
+    """The peer half-closed the stream (END_STREAM): EOF on this stream's read side."""
+
+    stream_id: int
+
+
+@dataclass(slots=True)
+class StreamReset:
+    """The peer reset the stream. NO_ERROR and CANCEL are read as EOF by upstream; others are real resets."""
+
+    stream_id: int
+    error_code: int
+
+    @property
+    def is_eof(self) -> bool:
+        return self.error_code in (ErrorCode.NO_ERROR, ErrorCode.CANCEL)
+
+
+@dataclass(slots=True)
+class WindowOpened:
+    """The peer granted more send window (``stream_id`` 0: the whole connection)."""
+
+    stream_id: int
+
+
+@dataclass(slots=True)
+class PingAcked:
+    data: bytes
+
+
+@dataclass(slots=True)
+class GoAwayReceived:
+    """The peer will accept no streams above ``last_stream_id``."""
+
+    error_code: int
+    last_stream_id: int
+    debug: bytes
+
+
+@dataclass(slots=True)
+class RemoteSettingsChanged:
+    max_concurrent_streams: int | None
+
+
+Event = (
+    ConnectRequested
+    | ConnectResponded
+    | DataReceived
+    | StreamEnded
+    | StreamReset
+    | WindowOpened
+    | PingAcked
+    | GoAwayReceived
+    | RemoteSettingsChanged
+)
+
+
+class HboneProtocolError(Exception):
+    """The peer broke HTTP/2 badly enough that the connection must close; a GOAWAY has been queued."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.PROTOCOL_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class _Stream:
+    """What the DATA fast path needs to know of an open stream."""
+
+    recv_window: int
+    unacked: int = 0  # received, delivered, not yet released by the consumer
+    remote_closed: bool = False
+    local_closed: bool = False
+    held: int = 0  # released by the consumer while the window update is being batched
+
+
+class HboneConnection:
+    """One HBONE HTTP/2 connection, client or server role. No I/O: bytes and buffers in, events and bytes out."""
+
+    def __init__(self, client_side: bool, settings: Settings | None = None) -> None:
+        self.client_side = client_side
+        self.settings = settings or (CLIENT_SETTINGS if client_side else SERVER_SETTINGS)
+        config = h2.config.H2Configuration(
+            client_side=client_side,
+            header_encoding=None,
+            # Inbound header validation stays on (h2 rejects malformed requests); normalisation is not needed.
+            validate_inbound_headers=True,
+        )
+        self.h2 = h2.connection.H2Connection(config=config)
+        self.streams: dict[int, _Stream] = {}
+        self._buf = bytearray(_MIN_BUFFER)
+        self._view = memoryview(self._buf)
+        self._start = 0  # first unparsed byte
+        self._end = 0  # end of received bytes
+        self._pinned = False
+        self._need = 0  # bytes the incomplete frame at _start needs in the buffer
+        # A server first reads the 24-byte client preface ("PRI * HTTP/2.0..."), which h2 checks.
+        self._preface = 0 if client_side else _PREFACE_SIZE
+        self._ack_ready: set[int] = set()  # streams whose held window reached the update threshold
+        # The DATA frame being received, if its header has been parsed: stream, payload and padding left.
+        self._data_stream = 0
+        self._data_state: _Stream | None = None
+        self._data_remaining = 0
+        self._data_padding = 0
+        self._data_end_stream = False
+        self._pad_length_pending = False
+        self._conn_unacked = 0
+        self._out = bytearray()
+        self.goaway_received: GoAwayReceived | None = None
+        self.closed = False
+
+    # -- setup -----------------------------------------------------------------------------------------------
+
+    def initiate(self) -> None:
+        """Queue the preface and SETTINGS, and raise the connection window from 64 KiB to its configured size."""
+        s = self.settings
+        local: dict[h2.settings.SettingCodes, int] = {
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: s.stream_window,
+            h2.settings.SettingCodes.MAX_FRAME_SIZE: s.max_frame_size,
+            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: s.max_header_list_size,
+        }
+        if self.client_side:
+            local[h2.settings.SettingCodes.ENABLE_PUSH] = 0
+        if s.max_concurrent_streams is not None:
+            local[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = s.max_concurrent_streams
+        self.h2.local_settings = h2.settings.Settings(client=self.client_side, initial_values=local)
+        self.h2.initiate_connection()
+        # h2 only applies a bigger inbound frame limit once the peer ACKs our SETTINGS; frames it parses (all but
+        # DATA) may legitimately be that large as soon as the peer has seen them, so accept them from the start.
+        self.h2.max_inbound_frame_size = s.max_frame_size
+        increment = s.connection_window - 65535
+        if increment > 0:
+            self.h2.increment_flow_control_window(increment)
+
+    # -- receiving -------------------------------------------------------------------------------------------
+
+    def get_buffer(self, size_hint: int = -1) -> memoryview:
+        """Where the next received bytes go. Views from earlier events are invalid after this call."""
+        start, end = self._start, self._end
+        pending = end - start
+        need = max(self._need, pending + _MIN_BUFFER)
+        size = len(self._buf)
+        if self._pinned or size < need:
+            # A consumer still holds views into the old buffer (leave it to them), or a frame needs more room.
+            self._pinned = False
+            while size < need:
+                size *= 2
+            new = bytearray(size)
+            new[:pending] = self._view[start:end]
+            self._buf = new
+            self._view = memoryview(new)
+            self._start, self._end = 0, pending
+        elif pending == 0:
+            self._start = self._end = 0
+        elif size - end < _MIN_BUFFER:
+            # Move the partial frame to the front: at most one frame header or control frame.
+            self._view[:pending] = self._view[start:end]
+            self._start, self._end = 0, pending
+        return self._view[self._end :]
+
+    def pin(self) -> None:
+        """A consumer kept a view into the receive buffer (a transport buffered it): don't overwrite it."""
+        self._pinned = True
+
+    def receive_data(self, data: bytes | memoryview) -> list[Event]:
+        """Convenience for tests and slow paths: copy ``data`` in and parse it."""
+        events: list[Event] = []
+        view = memoryview(data)
+        while view:
+            buf = self.get_buffer()
+            n = min(len(buf), len(view))
+            buf[:n] = view[:n]
+            view = view[n:]
+            events.extend(self.buffer_updated(n))
+        return events
+
+    def buffer_updated(self, nbytes: int) -> list[Event]:
+        """``nbytes`` were written into the last :meth:`get_buffer`; parse them into events (in wire order)."""
+        self._end += nbytes
+        events: list[Event] = []
+        view = self._view
+        pos, end = self._start, self._end
+        h2_from = -1  # start of a run of complete non-DATA frames to hand to h2 together
+        self._need = 0
+        if self._preface:
+            if end - pos < self._preface:
+                return events
+            h2_from = pos
+            pos += self._preface
+            self._preface = 0
+        while pos < end:
+            if self._data_remaining or self._data_padding or self._pad_length_pending:
+                pos = self._continue_data(events, view, pos, end)
+                continue
+            if end - pos < FRAME_HEADER_SIZE:
+                break
+            len_type, flags, stream_id = _HEADER.unpack_from(view, pos)
+            length = len_type >> 8
+            ftype = len_type & 0xFF
+            stream_id &= 0x7FFFFFFF
+            if length > self.settings.max_frame_size:
+                self._fail(f"frame of {length} bytes exceeds SETTINGS_MAX_FRAME_SIZE", ErrorCode.FRAME_SIZE_ERROR)
+            if ftype == DATA and stream_id in self.streams:
+                if h2_from >= 0:
+                    events.extend(self._to_h2(view[h2_from:pos]))
+                    h2_from = -1
+                pos = self._start_data(events, pos, length, flags, stream_id)
+                continue
+            # A whole non-DATA frame (or DATA for a stream h2 must answer) goes to h2.
+            if end - pos < FRAME_HEADER_SIZE + length:
+                self._need = FRAME_HEADER_SIZE + length
+                break
+            if h2_from < 0:
+                h2_from = pos
+            pos += FRAME_HEADER_SIZE + length
+        if h2_from >= 0:
+            events.extend(self._to_h2(view[h2_from:pos]))
+        self._start = pos
+        self._send_window_updates()
+        return events
+
+    def _start_data(self, events: list[Event], pos: int, length: int, flags: int, stream_id: int) -> int:
+        st: _Stream | None = self.streams[stream_id]
+        assert st is not None
+        if st.remote_closed or length > st.recv_window:
+            # DATA after END_STREAM (RFC 9113 §5.1) or beyond the window (§6.9): a stream error. The payload is
+            # still read off the connection (and counted against its window), then dropped.
+            self._fail_stream(stream_id, ErrorCode.STREAM_CLOSED if st.remote_closed else ErrorCode.FLOW_CONTROL_ERROR)
+            st = None
+        else:
+            st.recv_window -= length  # flow control counts the whole payload, padding included
+        self._conn_unacked += length
+        self._data_stream = stream_id
+        self._data_state = st
+        self._data_end_stream = bool(flags & FLAG_END_STREAM)
+        self._data_remaining = length  # with PADDED: the pad length byte + payload + padding until resolved
+        self._data_padding = 0
+        self._pad_length_pending = bool(flags & FLAG_PADDED)
+        if length == 0 and self._pad_length_pending:
+            self._fail("PADDED DATA frame without a pad length", ErrorCode.FRAME_SIZE_ERROR)
+        if length == 0:
+            self._finish_data(events)
+        return pos + FRAME_HEADER_SIZE
+
+    def _continue_data(self, events: list[Event], view: memoryview, pos: int, end: int) -> int:
+        if self._pad_length_pending:
+            pad = view[pos]
+            pos += 1
+            self._pad_length_pending = False
+            if self._data_state is not None:
+                self._data_state.held += 1  # the pad length byte is flow-controlled too
+            total = self._data_remaining - 1
+            if pad > total:
+                self._fail("DATA padding longer than the frame", ErrorCode.PROTOCOL_ERROR)
+            self._data_remaining = total - pad
+            self._data_padding = pad
+        if self._data_remaining:
+            n = min(self._data_remaining, end - pos)
+            self._data_remaining -= n
+            st = self._data_state
+            if st is not None and n:
+                st.unacked += n
+                events.append(DataReceived(self._data_stream, view[pos : pos + n], n))
+            pos += n
+        if not self._data_remaining and self._data_padding:
+            n = min(self._data_padding, end - pos)
+            self._data_padding -= n
+            pos += n
+            if self._data_state is not None:
+                # Padding is flow-controlled but never delivered: release it at once.
+                self._data_state.held += n
+        if not self._data_remaining and not self._data_padding and not self._pad_length_pending:
+            self._finish_data(events)
+        return pos
+
+    def _finish_data(self, events: list[Event]) -> None:
+        st = self._data_state
+        stream_id = self._data_stream
+        self._data_state = None
+        if st is not None and self._data_end_stream:
+            st.remote_closed = True
+            # Tell h2 the stream ended with an empty END_STREAM frame so its state machine moves on.
+            events.extend(self._to_h2(_HEADER.pack(DATA, FLAG_END_STREAM, stream_id)))
+
+    def _to_h2(self, frames: bytes | memoryview) -> list[Event]:
+        try:
+            h2_events = self.h2.receive_data(frames)
+        except h2.exceptions.ProtocolError as e:
+            self.closed = True
+            code = getattr(e, "error_code", ErrorCode.PROTOCOL_ERROR)
+            raise HboneProtocolError(f"HTTP/2 protocol error: {e}", ErrorCode(int(code))) from None
+        return self._translate(h2_events)
+
+    def _translate(self, h2_events: Iterable[h2.events.Event]) -> list[Event]:
+        out: list[Event] = []
+        for ev in h2_events:
+            if isinstance(ev, h2.events.RequestReceived):
+                headers = _decode_headers(ev.headers)
+                self.streams[ev.stream_id] = _Stream(recv_window=self.settings.stream_window)
+                out.append(
+                    ConnectRequested(ev.stream_id, headers.pop(":method", ""), headers.pop(":authority", ""), headers)
+                )
+                if ev.stream_ended is not None:
+                    self.streams[ev.stream_id].remote_closed = True
+                    out.append(StreamEnded(ev.stream_id))
+            elif isinstance(ev, h2.events.ResponseReceived):
+                headers = _decode_headers(ev.headers)
+                status = headers.pop(":status", "0")
+                out.append(ConnectResponded(ev.stream_id, int(status) if status.isdigit() else 0, headers))
+                if ev.stream_ended is not None:
+                    self._remote_closed(ev.stream_id)
+                    out.append(StreamEnded(ev.stream_id))
+            elif isinstance(ev, h2.events.StreamEnded):
+                self._remote_closed(ev.stream_id)
+                out.append(StreamEnded(ev.stream_id))
+            elif isinstance(ev, h2.events.StreamReset):
+                self.streams.pop(ev.stream_id, None)
+                out.append(StreamReset(ev.stream_id, int(ev.error_code or 0)))
+            elif isinstance(ev, h2.events.WindowUpdated):
+                out.append(WindowOpened(ev.stream_id or 0))
+            elif isinstance(ev, h2.events.PingAckReceived):
+                out.append(PingAcked(bytes(ev.ping_data or b"")))
+            elif isinstance(ev, h2.events.ConnectionTerminated):
+                code, last = int(ev.error_code or 0), int(ev.last_stream_id or 0)
+                g = GoAwayReceived(code, last, bytes(ev.additional_data or b""))
+                self.goaway_received = g
+                out.append(g)
+            elif isinstance(ev, h2.events.RemoteSettingsChanged):
+                changed = ev.changed_settings.get(h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS)
+                out.append(RemoteSettingsChanged(changed.new_value if changed is not None else None))
+                if h2.settings.SettingCodes.INITIAL_WINDOW_SIZE in ev.changed_settings:
+                    out.append(WindowOpened(0))
+            elif isinstance(ev, h2.events.DataReceived) and ev.flow_controlled_length:
+                # Only reached for DATA on streams the fast path does not track: give h2 its window back.
+                self.h2.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+            # TrailersReceived, PriorityUpdated, SettingsAcknowledged, ... need nothing from a tunnel.
+        return out
+
+    def _remote_closed(self, stream_id: int) -> None:
+        st = self.streams.get(stream_id)
+        if st is not None:
+            st.remote_closed = True
+            if st.local_closed:
+                del self.streams[stream_id]
+
+    def _fail(self, message: str, code: ErrorCode) -> None:
+        self.closed = True
+        self.h2.close_connection(error_code=code)
+        raise HboneProtocolError(message, code)
+
+    def _fail_stream(self, stream_id: int, code: ErrorCode) -> None:
+        # The frame's bytes are still consumed (and counted against the connection window) by the caller.
+        self.streams.pop(stream_id, None)
+        with contextlib.suppress(h2.exceptions.StreamClosedError):
+            self.h2.reset_stream(stream_id, error_code=code)
+
+    # -- flow control ----------------------------------------------------------------------------------------
+
+    def ack_data(self, stream_id: int, nbytes: int) -> None:
+        """The consumer has passed on ``nbytes`` of this stream's data: the peer may send that much more."""
+        st = self.streams.get(stream_id)
+        if st is None:
+            return
+        n = min(nbytes, st.unacked)
+        st.unacked -= n
+        st.held += n
+        if st.held >= self.settings.stream_window >> 2:
+            self._ack_ready.add(stream_id)
+
+    def _send_window_updates(self) -> None:
+        if self._conn_unacked >= self.settings.connection_window >> 2:
+            self._out += _WINDOW_UPDATE.pack(4 << 8 | 0x8, 0, 0, self._conn_unacked)
+            self._conn_unacked = 0
+        if self._ack_ready:
+            for sid in self._ack_ready:
+                self.flush_acks(sid)
+            self._ack_ready.clear()
+
+    def flush_acks(self, stream_id: int) -> None:
+        """Release a stream's held window now (a consumer that had paused has caught up)."""
+        st = self.streams.get(stream_id)
+        if st is not None and st.held and not st.remote_closed:
+            self._out += _WINDOW_UPDATE.pack(4 << 8 | 0x8, 0, stream_id, st.held)
+            st.recv_window += st.held
+            st.held = 0
+
+    # -- sending ---------------------------------------------------------------------------------------------
+
+    def send_connect(self, authority: str, headers: Iterable[tuple[str, str]] = ()) -> int:
+        """Client: open a tunnel to ``authority`` (``ip:port``). Returns the stream id."""
+        stream_id = self.h2.get_next_available_stream_id()
+        block = [(":method", "CONNECT"), (":authority", authority), *headers]
+        self.h2.send_headers(stream_id, block)
+        self.streams[stream_id] = _Stream(recv_window=self.settings.stream_window)
+        return stream_id
+
+    def send_response(
+        self, stream_id: int, status: int, headers: Iterable[tuple[str, str]] = (), end_stream: bool = False
+    ) -> None:
+        """Server: answer a CONNECT. A non-200 status ends the stream (upstream sends errors with END_STREAM)."""
+        self.h2.send_headers(stream_id, [(":status", str(status)), *headers], end_stream=end_stream)
+        if end_stream:
+            self._local_closed(stream_id)
+
+    def send_window(self, stream_id: int) -> int:
+        """How many payload bytes may be sent on ``stream_id`` now (flow control and frame size)."""
+        try:
+            window = self.h2.local_flow_control_window(stream_id)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.NoSuchStreamError):
+            return 0
+        return min(window, self.h2.max_outbound_frame_size)
+
+    def frame_data(self, stream_id: int, buf: bytearray | memoryview, offset: int, length: int) -> int:
+        """Frame ``buf[offset:offset+length]`` as DATA, writing the header into ``buf[offset-9:offset]``.
+
+        Returns how many payload bytes were framed (limited by the send window and the peer's frame size; 0 when the
+        window is closed). The caller then sends :meth:`data_to_send` followed by ``buf[offset-9:offset+n]``.
+        """
+        st = self.streams.get(stream_id)
+        if st is None or st.local_closed:
+            return 0
+        n = min(length, self.send_window(stream_id))
+        if n <= 0:
+            return 0
+        _HEADER.pack_into(buf, offset - FRAME_HEADER_SIZE, n << 8 | DATA, 0, stream_id)
+        # Charge h2's windows exactly as H2Connection.send_data would.
+        self.h2.outbound_flow_control_window -= n
+        self.h2.streams[stream_id].outbound_flow_control_window -= n
+        return n
+
+    def end_stream(self, stream_id: int) -> None:
+        """Half-close our side: an empty DATA frame with END_STREAM (upstream's write shutdown)."""
+        st = self.streams.get(stream_id)
+        if st is None or st.local_closed:
+            return
+        with contextlib.suppress(h2.exceptions.StreamClosedError):
+            self.h2.end_stream(stream_id)
+        self._local_closed(stream_id)
+
+    def reset_stream(self, stream_id: int, code: ErrorCode = ErrorCode.CANCEL) -> None:
+        self.streams.pop(stream_id, None)
+        with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.NoSuchStreamError):
+            self.h2.reset_stream(stream_id, error_code=code)
+
+    def _local_closed(self, stream_id: int) -> None:
+        st = self.streams.get(stream_id)
+        if st is not None:
+            st.local_closed = True
+            if st.remote_closed:
+                del self.streams[stream_id]
+
+    def ping(self, data: bytes = b"ztunnel!") -> None:
+        self.h2.ping(data)
+
+    def goaway(self, code: ErrorCode = ErrorCode.NO_ERROR) -> None:
+        """Tell the peer no new streams will be accepted; open ones may finish (graceful drain)."""
+        self.h2.close_connection(error_code=code, last_stream_id=self.h2.highest_inbound_stream_id)
+
+    @property
+    def open_streams(self) -> int:
+        return len(self.streams)
+
+    def data_to_send(self) -> bytes:
+        """Everything queued for the wire before the next DATA frame: h2's frames, then batched window updates."""
+        self._send_window_updates()
+        pending = self.h2.data_to_send()
+        if self._out:
+            pending += self._out
+            self._out = bytearray()
+        return pending
+
+
+def _decode_headers(raw: Iterable[tuple[bytes | str, bytes | str]]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in raw:
+        key = k.decode("ascii", "replace") if isinstance(k, bytes) else k
+        value = v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+        out[key] = value
+    return out

@@ -1,0 +1,101 @@
+"""Inbound plaintext (port 15006): captured non-HBONE connections to the pod, policy-checked and passed through.
+
+Upstream ``proxy/inbound_passthrough.rs``: the original destination comes from ``SO_ORIGINAL_DST``; a destination
+port that is one of ztunnel's own is refused; the local workload must be known; policy sees no identity (the
+traffic is plaintext); a denial simply closes the connection. Metrics report ``connection_security_policy=unknown``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+from ztunnel.proxy.common import ProxyError, ProxyInputs, ResponseFlag
+from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
+from ztunnel.proxy.inbound import Authorizer, allow_all
+from ztunnel.proxy.outbound import connect_plain
+from ztunnel.proxy.relay import PlainConnection, PlainRelay
+from ztunnel.rbac import Connection
+from ztunnel.sockets import local_dst, original_dst, peer_addr, set_accepted_options
+from ztunnel.state.workload import IPAddress, NetworkAddress
+
+log = logging.getLogger("ztunnel.proxy.inbound_passthrough")
+
+
+class InboundPassthrough:
+    """The 15006 listener of one proxy."""
+
+    def __init__(self, pi: ProxyInputs, authorize: Authorizer = allow_all) -> None:
+        self.pi = pi
+        self.authorize = authorize
+        self.servers: list[asyncio.Server] = []
+        self.transparent = False
+
+    async def start(self) -> None:
+        cfg = self.pi.config
+        loop = asyncio.get_running_loop()
+        socks = self.pi.sockets.listeners(
+            cfg.inbound_plaintext_addr, reuse_port=cfg.inpod_port_reuse, transparent=True, ipv6=cfg.ipv6_enabled
+        )
+        for sock, transparent in socks:
+            self.transparent = self.transparent or transparent
+            self.servers.append(await loop.create_server(lambda: PlainConnection(self._accepted), sock=sock))
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.servers[0].sockets[0].getsockname()[:2]
+        return str(host), int(port)
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.close()
+
+    def _accepted(self, plain: PlainConnection) -> None:
+        assert plain.transport is not None
+        sock: socket.socket = plain.transport.get_extra_info("socket")
+        set_accepted_options(sock, self.pi.sockets.cfg, keepalive=True)
+        src = peer_addr(sock)
+        dst = original_dst(sock) or local_dst(sock)
+        self.pi.tasks.spawn(self._proxy(plain, src, dst), "inbound passthrough")
+
+    async def _proxy(self, plain: PlainConnection, src: tuple[IPAddress, int], dst: tuple[IPAddress, int]) -> None:
+        pi = self.pi
+        if dst[1] in pi.config.illegal_ports:
+            plain.close()
+            log_failed(Direction.INBOUND, src, dst, "attempted recursive call to ourselves")
+            return
+        local = pi.local.find()
+        if local is None:
+            plain.close()
+            log_failed(Direction.INBOUND, src, dst, f"unknown local workload {pi.local.info}")
+            return
+        record = ConnectionRecord(
+            direction=Direction.INBOUND,
+            src=src,
+            dst=dst,
+            src_workload=pi.state.workloads.find_address(NetworkAddress(pi.config.network, src[0])),
+            dst_workload=local,
+        )
+        denied = self.authorize(Connection(src[0], src[1], dst[0], dst[1], None, pi.config.network), local)
+        if denied is not None:
+            plain.close()
+            pi.connections.register(record)
+            pi.connections.release(record, ResponseFlag.DENY, f"connection closed due to policy rejection: {denied}")
+            return
+        try:
+            spoof = src[0] if self.transparent and src[0] != dst[0] else None
+            upstream = await connect_plain(pi, dst, bind_src=spoof, transparent=self.transparent)
+        except ProxyError as e:
+            plain.close()
+            pi.connections.register(record)
+            pi.connections.release(record, ResponseFlag.CONNECT, str(e))
+            return
+        record.bytes_sent = lambda: upstream.bytes_read
+        record.bytes_recv = lambda: upstream.bytes_written
+        relay = PlainRelay(
+            plain, upstream, on_done=lambda r: pi.connections.release(record, ResponseFlag.NONE, r.error)
+        )
+        record.closer = lambda reason: relay.reset()
+        pi.connections.register(record)
+        relay.start()

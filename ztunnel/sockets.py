@@ -1,0 +1,203 @@
+"""Socket options ztunnel needs, as upstream's ``socket.rs`` sets them.
+
+``SO_ORIGINAL_DST`` (the pre-REDIRECT destination), ``IP_TRANSPARENT``/``IP_FREEBIND`` (source-IP spoofing toward
+the app), ``SO_MARK`` (so the pod's iptables rules skip ztunnel's own traffic), TCP keepalive (180 s / 180 s / 9, so
+idle tunnels outlive middlebox timeouts) and ``TCP_NODELAY`` on every accepted socket.
+
+A :class:`SocketFactory` creates every socket a proxy uses; the in-pod variant creates them inside a pod's network
+namespace with the mark set, so listeners and outbound connections live in the pod.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import struct
+from dataclasses import dataclass
+
+from ztunnel.config import Config, SocketAddress
+from ztunnel.state.workload import IPAddress, canonical_ip
+
+SOL_IP = 0
+SOL_IPV6 = 41
+SO_ORIGINAL_DST = 80  # netfilter: <linux/netfilter_ipv4.h>
+IP6T_SO_ORIGINAL_DST = 80  # <linux/netfilter_ipv6/ip6_tables.h>
+IP_TRANSPARENT = 19
+IPV6_TRANSPARENT = 75
+IP_FREEBIND = 15
+SO_MARK = 36
+TCP_USER_TIMEOUT = 18
+LISTEN_BACKLOG = 128  # as upstream's in-pod listeners; the kernel caps it at somaxconn anyway
+
+
+@dataclass(frozen=True, slots=True)
+class SocketConfig:
+    keepalive_enabled: bool = True
+    keepalive_time: float = 180.0
+    keepalive_interval: float = 180.0
+    keepalive_retries: int = 9
+    user_timeout_enabled: bool = False
+    mark: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> SocketConfig:
+        return cls(
+            keepalive_enabled=cfg.keepalive_enabled,
+            keepalive_time=cfg.keepalive_time,
+            keepalive_interval=cfg.keepalive_interval,
+            keepalive_retries=cfg.keepalive_retries,
+            user_timeout_enabled=cfg.user_timeout_enabled,
+            mark=cfg.packet_mark,
+        )
+
+
+def original_dst(sock: socket.socket) -> tuple[IPAddress, int] | None:
+    """The destination the client dialled before an iptables REDIRECT, or None when there was none."""
+    try:
+        if sock.family == socket.AF_INET6:
+            raw = sock.getsockopt(SOL_IPV6, IP6T_SO_ORIGINAL_DST, 28)
+            port = struct.unpack_from("!H", raw, 2)[0]
+            ip: IPAddress = ipaddress.IPv6Address(raw[8:24])
+        else:
+            raw = sock.getsockopt(SOL_IP, SO_ORIGINAL_DST, 16)
+            port = struct.unpack_from("!H", raw, 2)[0]
+            ip = ipaddress.IPv4Address(raw[4:8])
+    except OSError:
+        if sock.family == socket.AF_INET6:
+            # A v4 connection on a dual-stack socket: try the v4 option too.
+            try:
+                raw = sock.getsockopt(SOL_IP, SO_ORIGINAL_DST, 16)
+            except OSError:
+                return None
+            return ipaddress.IPv4Address(raw[4:8]), struct.unpack_from("!H", raw, 2)[0]
+        return None
+    return canonical_ip(ip), port
+
+
+def local_dst(sock: socket.socket) -> tuple[IPAddress, int]:
+    """The socket's own address: the original destination under TPROXY (no NAT happened)."""
+    host, port = sock.getsockname()[:2]
+    return canonical_ip(ipaddress.ip_address(host)), port
+
+
+def peer_addr(sock: socket.socket) -> tuple[IPAddress, int]:
+    host, port = sock.getpeername()[:2]
+    return canonical_ip(ipaddress.ip_address(host)), port
+
+
+def set_accepted_options(sock: socket.socket, cfg: SocketConfig, keepalive: bool) -> None:
+    """Every accepted socket gets TCP_NODELAY; 15001/15006 also get keepalive (``socket.rs::Listener::accept``)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if keepalive:
+        set_keepalive(sock, cfg)
+
+
+def set_keepalive(sock: socket.socket, cfg: SocketConfig) -> None:
+    if not cfg.keepalive_enabled:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(cfg.keepalive_time)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(cfg.keepalive_interval)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, cfg.keepalive_retries))
+    if cfg.user_timeout_enabled:
+        # Upstream: time + retries * interval, so the two mechanisms give up together.
+        ms = int((cfg.keepalive_time + cfg.keepalive_retries * cfg.keepalive_interval) * 1000)
+        sock.setsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT, ms)
+
+
+def set_mark(sock: socket.socket, mark: int | None) -> None:
+    if mark is not None:
+        sock.setsockopt(socket.SOL_SOCKET, SO_MARK, mark)
+
+
+def set_transparent(sock: socket.socket) -> bool:
+    """IP_TRANSPARENT (needs CAP_NET_ADMIN). Returns whether it took; failure is normal outside a pod."""
+    try:
+        if sock.family == socket.AF_INET6:
+            sock.setsockopt(SOL_IPV6, IPV6_TRANSPARENT, 1)
+        else:
+            sock.setsockopt(SOL_IP, IP_TRANSPARENT, 1)
+    except OSError:
+        return False
+    return True
+
+
+def set_freebind(sock: socket.socket) -> None:
+    if sock.family == socket.AF_INET6:
+        sock.setsockopt(SOL_IPV6, 78, 1)  # IPV6_FREEBIND
+    else:
+        sock.setsockopt(SOL_IP, IP_FREEBIND, 1)
+
+
+def family_of(ip: IPAddress) -> socket.AddressFamily:
+    return socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+
+
+def sockaddr(ip: IPAddress, port: int) -> tuple[str, int]:
+    return (str(ip), port)
+
+
+class SocketFactory:
+    """Creates the sockets a proxy uses. Subclassed by in-pod mode to create them inside a pod's namespace."""
+
+    def __init__(self, cfg: SocketConfig) -> None:
+        self.cfg = cfg
+
+    def tcp(self, family: socket.AddressFamily) -> socket.socket:
+        """An unconnected, non-blocking TCP socket for an outbound connection (marked, keepalive on)."""
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            set_mark(sock, self.cfg.mark)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_keepalive(sock, self.cfg)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def listeners(
+        self, addr: SocketAddress, *, reuse_port: bool = False, transparent: bool = False, ipv6: bool = True
+    ) -> list[tuple[socket.socket, bool]]:
+        """Bound, listening sockets for ``addr`` with whether IP_TRANSPARENT took. ``localhost`` gives two."""
+        hosts = [addr.host]
+        if addr.is_localhost:
+            hosts = ["127.0.0.1", "::1"] if ipv6 and socket.has_ipv6 else ["127.0.0.1"]
+        out: list[tuple[socket.socket, bool]] = []
+        try:
+            for host in hosts:
+                ip = ipaddress.ip_address(host)
+                try:
+                    out.append(self._listener(ip, addr.port, reuse_port=reuse_port, transparent=transparent))
+                except OSError:
+                    if host == "::1" and addr.is_localhost:
+                        continue  # IPv6 disabled on loopback: bind v4 only, as upstream does
+                    raise
+                if addr.port == 0 and addr.is_localhost:
+                    # Bind the second address family to the same port the first one got.
+                    addr = SocketAddress("localhost", out[0][0].getsockname()[1])
+        except BaseException:
+            for s, _ in out:
+                s.close()
+            raise
+        return out
+
+    def _listener(self, ip: IPAddress, port: int, *, reuse_port: bool, transparent: bool) -> tuple[socket.socket, bool]:
+        family = family_of(ip)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                # [::] accepts IPv4 too (dual stack), as upstream's listeners do.
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if ip == ipaddress.IPv6Address("::") else 1)
+            set_mark(sock, self.cfg.mark)
+            is_transparent = set_transparent(sock) if transparent else False
+            sock.bind(sockaddr(ip, port))
+            sock.listen(LISTEN_BACKLOG)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        return sock, is_transparent

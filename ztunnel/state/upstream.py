@@ -1,0 +1,290 @@
+"""Finding the upstream for a destination: service VIP load balancing, port mapping, waypoints and gateways.
+
+Upstream ``state.rs`` (``find_upstream``, ``load_balance``, ``finalize_upstream``, ``fetch_waypoint``). Pure: reads a
+:class:`~ztunnel.state.ProxyState`; randomness comes from an injected ``random.Random`` so tests are exact.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+from dataclasses import dataclass
+
+from ztunnel.identity.spiffe import Identity
+from ztunnel.state import ProxyState
+from ztunnel.state.service import Endpoint, IpFamily, LoadBalancerMode, LoadBalancerScope, Service
+from ztunnel.state.workload import (
+    GatewayAddress,
+    IPAddress,
+    NamespacedHostname,
+    NetworkAddress,
+    Workload,
+)
+
+log = logging.getLogger("ztunnel.state")
+
+
+class ResolutionMode(enum.Enum):
+    """``STANDARD``: a user-addressed service; ``WAYPOINT``: reaching a waypoint, where an app tunnel frees the port."""
+
+    STANDARD = "standard"
+    WAYPOINT = "waypoint"
+
+
+class UpstreamError(Exception):
+    """No way to reach the destination; the message says why (for the access log)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceDescription:
+    hostname: str
+    name: str
+    namespace: str
+
+    @classmethod
+    def of(cls, svc: Service) -> ServiceDescription:
+        return cls(svc.hostname, svc.name, svc.namespace)
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    """The chosen destination workload, the IP to use (None: through its network gateway) and the port."""
+
+    workload: Workload
+    selected_ip: IPAddress | None
+    port: int
+    service_sans: tuple[str, ...] = ()
+    destination_service: ServiceDescription | None = None
+    needs_dns: bool = False  # only a hostname is known: resolve ``workload.hostname`` before connecting
+
+    def workload_and_services_san(self) -> tuple[Identity, ...]:
+        """Identities the server may present: the service's SANs, then the workload's own identity."""
+        out = []
+        for san in self.service_sans:
+            ident = Identity.try_parse(san)
+            if ident is None:
+                log.warning("ignoring invalid SAN %s", san)
+            else:
+                out.append(ident)
+        out.append(self.workload.identity)
+        return tuple(out)
+
+
+_ORIGINAL_DESTINATION = object()
+
+
+def find_upstream(
+    state: ProxyState,
+    network: str,
+    source: Workload,
+    ip: IPAddress,
+    port: int,
+    mode: ResolutionMode,
+    rng: random.Random,
+) -> tuple[Workload, int, Service | None] | object | None:
+    """(workload, target port, service) for ``ip:port``; the passthrough marker; or None if nothing matches."""
+    addr = NetworkAddress(network, ip)
+    svc = state.services.get_best_by_vip(addr, source.namespace)
+    if svc is not None:
+        if svc.load_balancer is not None and svc.load_balancer.mode is LoadBalancerMode.PASSTHROUGH:
+            return _ORIGINAL_DESTINATION
+        return find_upstream_from_service(state, source, port, mode, svc, rng)
+    wl = state.workloads.find_address(addr)
+    if wl is not None:
+        return (wl, port, None)
+    return None
+
+
+def find_upstream_from_service(
+    state: ProxyState, source: Workload, svc_port: int, mode: ResolutionMode, svc: Service, rng: random.Random
+) -> tuple[Workload, int, Service] | None:
+    picked = load_balance(state, source, svc, svc_port, mode, rng)
+    if picked is None:
+        log.debug("service %s has no healthy endpoints", svc.hostname)
+        return None
+    ep, wl = picked
+    svc_target = svc.ports.get(svc_port, 0)
+    ep_target = ep.port.get(svc_port)
+    if ep_target is not None:
+        target = ep_target  # the endpoint's own mapping wins
+    elif svc_target > 0:
+        target = svc_target
+    elif wl.application_tunnel is not None and wl.application_tunnel.port is not None:
+        target = svc_port  # an app tunnel does not need the port on the service
+    else:
+        log.debug("found service %s, but port %d was unknown", svc.hostname, svc_port)
+        return None
+    return (wl, target, svc)
+
+
+def load_balance(
+    state: ProxyState, src: Workload, svc: Service, svc_port: int, mode: ResolutionMode, rng: random.Random
+) -> tuple[Endpoint, Workload] | None:
+    """Pick an endpoint: healthy ones, ranked by routing preference (STRICT/FAILOVER), weighted by capacity."""
+    target_port = svc.ports.get(svc_port)
+    if mode is ResolutionMode.STANDARD and target_port is None:
+        log.debug("service %s does not have port %d", svc.hostname, svc_port)
+        return None
+    candidates: list[tuple[Endpoint, Workload]] = []
+    for ep in svc.endpoints.values():
+        if not svc.should_include_endpoint(ep.status):
+            continue
+        wl = state.workloads.find_uid(ep.workload_uid)
+        if wl is None:
+            continue
+        has_address = bool(wl.workload_ips) or bool(wl.hostname)
+        # A workload without an address is reachable only through its network gateway, on another network.
+        if not has_address and (wl.network == src.network or wl.network_gateway is None):
+            continue
+        if mode is ResolutionMode.STANDARD:
+            if not target_port and svc_port not in ep.port:
+                continue  # a named target port this endpoint does not define
+        elif target_port is None and wl.application_tunnel is None:
+            continue
+        candidates.append((ep, wl))
+    lb = svc.load_balancer
+    if lb is not None and lb.mode is not LoadBalancerMode.STANDARD and candidates:
+        prefs = lb.routing_preferences
+        network_first = bool(prefs) and prefs[0] is LoadBalancerScope.NETWORK
+        ranked: list[tuple[int, Endpoint, Workload]] = []
+        for ep, wl in candidates:
+            rank = 0
+            adjust = 0
+            for scope in prefs:
+                if scope is LoadBalancerScope.NETWORK:
+                    matches = src.network == wl.network
+                    if network_first:
+                        if not matches:
+                            continue  # try the other scopes
+                        adjust = len(prefs) - 1
+                elif scope is LoadBalancerScope.REGION:
+                    matches = src.locality.region == wl.locality.region
+                elif scope is LoadBalancerScope.ZONE:
+                    matches = src.locality.zone == wl.locality.zone
+                elif scope is LoadBalancerScope.SUBZONE:
+                    matches = src.locality.subzone == wl.locality.subzone
+                elif scope is LoadBalancerScope.NODE:
+                    matches = src.node == wl.node
+                else:
+                    matches = src.cluster_id == wl.cluster_id
+                if not matches:
+                    break
+                rank += 1
+            if lb.mode is LoadBalancerMode.STRICT and rank != len(prefs):
+                continue
+            ranked.append((rank + adjust, ep, wl))
+        if not ranked:
+            return None
+        best = max(r for r, _, _ in ranked)
+        candidates = [(ep, wl) for r, ep, wl in ranked if r == best]
+    if not candidates:
+        return None
+    if len(candidates) == 1:
+        return candidates[0]
+    return rng.choices(candidates, weights=[max(wl.capacity, 0) for _, wl in candidates])[0]
+
+
+def pick_workload_ip(dst: Workload, original_ip: IPAddress, family: IpFamily | None) -> tuple[IPAddress | None, bool]:
+    """(IP to use, needs DNS). The requested IP if it is the workload's; else one of the service's family,
+    preferring the request's; else DNS on the workload hostname; else None (through the network gateway)."""
+    if original_ip in dst.workload_ips:
+        return original_ip, False
+    allowed = [ip for ip in dst.workload_ips if family is None or family.accepts(ip)]
+    same_family = [ip for ip in allowed if ip.version == original_ip.version]
+    if same_family or allowed:
+        return (same_family or allowed)[0], False
+    if dst.hostname:
+        return None, True
+    if dst.network_gateway is None:
+        raise UpstreamError(f"workload {dst.name} has no suitable workload IPs for routing")
+    return None, False
+
+
+def finalize_upstream(
+    found: tuple[Workload, int, Service | None] | object | None, original_ip: IPAddress
+) -> Upstream | None:
+    if found is None or found is _ORIGINAL_DESTINATION:
+        return None
+    assert isinstance(found, tuple)
+    wl, port, svc = found
+    ip, needs_dns = pick_workload_ip(wl, original_ip, svc.ip_families if svc is not None else None)
+    return Upstream(
+        workload=wl,
+        selected_ip=ip,
+        port=port,
+        service_sans=svc.subject_alt_names if svc is not None else (),
+        destination_service=ServiceDescription.of(svc) if svc is not None else None,
+        needs_dns=needs_dns,
+    )
+
+
+def fetch_upstream(
+    state: ProxyState, network: str, source: Workload, ip: IPAddress, port: int, rng: random.Random
+) -> Upstream | None:
+    return finalize_upstream(find_upstream(state, network, source, ip, port, ResolutionMode.STANDARD, rng), ip)
+
+
+def fetch_gateway(
+    state: ProxyState,
+    gw: GatewayAddress,
+    source: Workload,
+    original_ip: IPAddress,
+    rng: random.Random,
+    what: str = "waypoint",
+) -> Upstream:
+    """Resolve a waypoint or network gateway address (by IP or, preferably, by service hostname)."""
+    mode = ResolutionMode.WAYPOINT if what == "waypoint" else ResolutionMode.STANDARD
+    dest = gw.destination
+    if isinstance(dest, NetworkAddress):
+        found = find_upstream(state, dest.network, source, dest.address, gw.hbone_mtls_port, mode, rng)
+        target_ip = dest.address
+    else:
+        svc = state.services.get(NamespacedHostname(dest.namespace, dest.hostname))
+        if svc is not None:
+            found = find_upstream_from_service(state, source, gw.hbone_mtls_port, mode, svc, rng)
+        else:
+            wl = _workload_by_hostname(state, dest)
+            if wl is None:
+                raise UpstreamError(f"{what} {dest.hostname} not found")
+            found = (wl, gw.hbone_mtls_port, None)
+        target_ip = original_ip  # adapt to the caller's IP family
+    up = finalize_upstream(found, target_ip)
+    if up is None:
+        raise UpstreamError(f"{what} {_gw_str(gw)} not found")
+    return up
+
+
+def _workload_by_hostname(state: ProxyState, host: NamespacedHostname) -> Workload | None:
+    for w in state.workloads:
+        if w.hostname == host.hostname and w.namespace == host.namespace:
+            return w
+    return None
+
+
+def _gw_str(gw: GatewayAddress) -> str:
+    return f"{gw.destination}:{gw.hbone_mtls_port}"
+
+
+def service_waypoint(
+    state: ProxyState, svc: Service, source: Workload, original_ip: IPAddress, rng: random.Random
+) -> Upstream | None:
+    """The service's waypoint: one of ``weighted_waypoints`` by weight, else ``waypoint``, else None."""
+    gw: GatewayAddress | None = None
+    if svc.weighted_waypoints:
+        weights = [max(w.weight, 0) for w in svc.weighted_waypoints]
+        if sum(weights) > 0:
+            gw = rng.choices(svc.weighted_waypoints, weights=weights)[0].destination
+    if gw is None:
+        gw = svc.waypoint
+    if gw is None:
+        return None
+    return fetch_gateway(state, gw, source, original_ip, rng)
+
+
+def workload_waypoint(
+    state: ProxyState, wl: Workload, source: Workload, original_ip: IPAddress, rng: random.Random
+) -> Upstream | None:
+    if wl.waypoint is None:
+        return None
+    return fetch_gateway(state, wl.waypoint, source, original_ip, rng)
