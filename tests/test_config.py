@@ -267,7 +267,16 @@ def test_bad_values_name_variable_and_value(env: dict[str, str], needle: str | N
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("24h", 86400), ("5m", 300), ("10s", 10), ("100ms", 0.1), ("1h30m", 5400), ("30", 30), ("1.5s", 1.5), ("2d", 172800)],
+    [
+        ("24h", 86400),
+        ("5m", 300),
+        ("10s", 10),
+        ("100ms", 0.1),
+        ("1h30m", 5400),
+        ("30", 30),
+        ("1.5s", 1.5),
+        ("2d", 172800),
+    ],
 )
 def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)

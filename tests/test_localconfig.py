@@ -156,10 +156,16 @@ MALFORMED = [
         "policies: [{name: p, scope: Global, action: Allow, rules: [[[{destinationPort: [80]}]]]}]",
         "policies[0].rules[0][0][0].destinationPort: unknown field",
     ),
-    ("policies: [{name: p, scope: Global, action: Allow, rules: [[[{destinationPorts: [http]}]]]}]", "destinationPorts[0]"),
+    (
+        "policies: [{name: p, scope: Global, action: Allow, rules: [[[{destinationPorts: [http]}]]]}]",
+        "destinationPorts[0]",
+    ),
     ("- just\n- a list", "expected a mapping, got a list"),
     ("workloads: [\n  {namespace: a", "line 2"),
-    ("services: [{name: s, namespace: n, hostname: h, canonical: 'yes'}]", "services[0].canonical: expected true or false"),
+    (
+        "services: [{name: s, namespace: n, hostname: h, canonical: 'yes'}]",
+        "services[0].canonical: expected true or false",
+    ),
 ]
 
 

@@ -29,7 +29,12 @@ def test_parse_filter() -> None:
 
 def test_plain_format(stream: io.StringIO) -> None:
     setup_logging("info", json_format=False, stream=stream)
-    log(logging.getLogger("access"), logging.INFO, "connection complete", **{"src.addr": "10.0.0.1:1234", "bytes_sent": 5})
+    log(
+        logging.getLogger("access"),
+        logging.INFO,
+        "connection complete",
+        **{"src.addr": "10.0.0.1:1234", "bytes_sent": 5},
+    )
     time, level, scope, message, fields = stream.getvalue().rstrip("\n").split("\t")
     assert time.endswith("Z") and "T" in time
     assert (level, scope, message) == ("info", "access", "connection complete")

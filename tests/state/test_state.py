@@ -15,7 +15,15 @@ def ip(s: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     return ipaddress.ip_address(s)
 
 
-def wl(uid: str, addr: str, *, ns: str = "default", node: str = "", services: dict | None = None, **kw) -> Workload:
+def wl(
+    uid: str,
+    addr: str,
+    *,
+    ns: str = "default",
+    node: str = "",
+    services: dict[NamespacedHostname, dict[int, int]] | None = None,
+    **kw,
+) -> Workload:
     return Workload(
         uid=uid,
         name=uid.rsplit("/", 1)[-1],
@@ -30,7 +38,9 @@ def wl(uid: str, addr: str, *, ns: str = "default", node: str = "", services: di
 
 
 def svc(ns: str = "default", host: str = "echo.default.svc.cluster.local", vip: str = "10.96.0.1", **kw) -> Service:
-    return Service(name=host.split(".")[0], namespace=ns, hostname=host, vips=(NetworkAddress("", ip(vip)),), **kw)
+    return Service(
+        name=host.split(".", maxsplit=1)[0], namespace=ns, hostname=host, vips=(NetworkAddress("", ip(vip)),), **kw
+    )
 
 
 def test_workload_indexes() -> None:

@@ -1,0 +1,83 @@
+"""Certificate builders for tests that need certificates :class:`LocalCA` would never issue.
+
+Odd EKUs, several SANs, intermediates: each is signed by a real :class:`LocalCA` root so the TLS tests exercise
+exactly one deviation at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from ztunnel.identity import LocalCA, WorkloadCertificate
+
+TD = "cluster.local"
+
+
+def build_leaf(
+    ca: LocalCA,
+    *,
+    uris: Sequence[str] = (),
+    dns: Sequence[str] = (),
+    eku: Sequence[x509.ObjectIdentifier] | None = (ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH),
+    ttl: timedelta = timedelta(hours=1),
+) -> WorkloadCertificate:
+    """A leaf signed by ``ca`` with the given URI/DNS SANs and EKUs (``eku=None``: no EKU extension)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.now(UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, TD)]))
+        .issuer_name(ca.root_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=1))
+        .not_valid_after(now + ttl)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+    )
+    names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(u) for u in uris]
+    names += [x509.DNSName(d) for d in dns]
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    if eku is not None:
+        builder = builder.add_extension(x509.ExtendedKeyUsage(list(eku)), critical=False)
+    cert = builder.sign(ca.root_key, hashes.SHA256())
+    return WorkloadCertificate(cert=cert, intermediates=(), roots=(ca.root_cert,), private_key=key)
+
+
+def build_intermediate(root: LocalCA, trust_domain: str = TD) -> LocalCA:
+    """An intermediate CA signed by ``root``, usable as a :class:`LocalCA` to issue leaves."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.now(UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "intermediate")]))
+        .issuer_name(root.root_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=1))
+        .not_valid_after(now + timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(root.root_key, hashes.SHA256())
+    )
+    return LocalCA(root_cert=cert, root_key=key, trust_domain=trust_domain)

@@ -1,0 +1,354 @@
+"""mTLS for HBONE: stdlib ``ssl`` contexts built from a :class:`WorkloadCertificate`, plus identity checks.
+
+Policy (upstream ``tls/lib.rs``, ``tls/certificate.rs``, ``tls/workload.rs``):
+
+* TLS 1.3 only; ``tls12_enabled`` (``TLS12_ENABLED``) adds TLS 1.2 with ECDHE-ECDSA/RSA AES-GCM suites only.
+* TLS 1.3 suites ``TLS_AES_256_GCM_SHA384`` and ``TLS_AES_128_GCM_SHA256`` only. The stdlib has no setter for
+  TLS 1.3 suites, so :func:`set_tls13_ciphersuites` calls libssl's ``SSL_CTX_set_ciphersuites`` via ctypes and
+  the result is read back through ``get_ciphers()``; a context is never returned with a weaker configuration.
+* ALPN ``h2`` on both sides; the client sends no SNI (connect with ``server_hostname=""``: asyncio then passes
+  none to OpenSSL) and does not check host names, as identities are SPIFFE URIs, not DNS names.
+* No resumption: every connection re-verifies the peer chain and identity against the current roots.
+* The server requires a client certificate. Both sides verify the chain against the certificate's own roots
+  (never the system store) and OpenSSL checks the extended key usage purpose: clientAuth when the server
+  verifies a client, serverAuth when the client verifies a server (each only if the peer has an EKU
+  extension, as webpki's "required if present").
+
+OpenSSL cannot run upstream's SAN checks inside the handshake, so they run right after it:
+:func:`verify_client_identity` (server side, upstream's ``TrustDomainVerifier``) and
+:func:`verify_server_identity` (client side, upstream's ``IdentityVerifier``). A connection must be closed
+without exchanging data if either raises. :func:`handshake_error` turns an ``ssl`` handshake exception into a
+:class:`TlsError` whose message says what to check.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import ssl
+from collections.abc import Collection, Sequence
+from typing import Final
+
+from cryptography import x509
+
+from ztunnel.identity.certificate import WorkloadCertificate, identities_from_cert
+from ztunnel.identity.spiffe import Identity
+
+__all__ = [
+    "ALPN_H2",
+    "TLS12_CIPHERS",
+    "TLS13_CIPHERSUITES",
+    "AlpnMismatch",
+    "HandshakeFailed",
+    "IdentityMismatch",
+    "MissingPeerCertificate",
+    "TlsConfigError",
+    "TlsError",
+    "TrustDomainMismatch",
+    "client_context",
+    "handshake_error",
+    "peer_identities",
+    "server_context",
+    "set_tls13_ciphersuites",
+    "verify_client_identity",
+    "verify_server_identity",
+]
+
+ALPN_H2: Final = "h2"
+# Upstream's provider suites, in its preference order.
+TLS13_CIPHERSUITES: Final = ("TLS_AES_256_GCM_SHA384", "TLS_AES_128_GCM_SHA256")
+# OpenSSL names of upstream's TLS 1.2 suites (TLS_ECDHE_{ECDSA,RSA}_WITH_AES_{256,128}_GCM_SHA{384,256}).
+TLS12_CIPHERS: Final = (
+    "ECDHE-ECDSA-AES256-GCM-SHA384",
+    "ECDHE-ECDSA-AES128-GCM-SHA256",
+    "ECDHE-RSA-AES256-GCM-SHA384",
+    "ECDHE-RSA-AES128-GCM-SHA256",
+)
+
+# libssl constants (ssl.h); stable across OpenSSL 1.1.1 and 3.x.
+_SSL_CTRL_SET_SESS_CACHE_MODE: Final = 44
+_SSL_CTRL_GET_SESS_CACHE_MODE: Final = 45
+_SSL_SESS_CACHE_OFF: Final = 0
+
+PeerSsl = ssl.SSLObject | ssl.SSLSocket
+
+
+class TlsError(Exception):
+    """Base class for HBONE TLS failures."""
+
+
+class TlsConfigError(TlsError):
+    """A context could not be built with the required security settings."""
+
+
+class HandshakeFailed(TlsError):
+    """The TLS handshake failed; built by :func:`handshake_error` from the ``ssl`` exception."""
+
+
+class MissingPeerCertificate(TlsError):
+    """The peer presented no certificate."""
+
+
+class TrustDomainMismatch(TlsError):
+    """The client certificate has no SPIFFE identity in the server's trust domain."""
+
+
+class IdentityMismatch(TlsError):
+    """The server certificate carries none of the identities the client expected."""
+
+
+class AlpnMismatch(TlsError):
+    """The handshake did not negotiate ALPN ``h2``."""
+
+
+# --- contexts -------------------------------------------------------------------------------------------------
+
+
+def server_context(cert: WorkloadCertificate, *, tls12_enabled: bool = False) -> ssl.SSLContext:
+    """A server context presenting ``cert`` and requiring a client certificate that chains to ``cert.roots``.
+
+    After the handshake, call :func:`verify_client_identity` with the server's own trust domain.
+    """
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    _configure_common(ctx, cert, tls12_enabled=tls12_enabled)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    # No resumption: no TLS 1.3 tickets (num_tickets), no TLS 1.2 tickets (OP_NO_TICKET, set in
+    # _configure_common) and no TLS 1.2 session-ID cache.
+    ctx.num_tickets = 0
+    _disable_server_session_cache(ctx)
+    return ctx
+
+
+def client_context(cert: WorkloadCertificate, *, tls12_enabled: bool = False) -> ssl.SSLContext:
+    """A client context presenting ``cert`` and verifying the server chain against ``cert.roots``.
+
+    Connect with ``server_hostname=""`` (asyncio) or ``server_hostname=None`` (``wrap_bio``/``wrap_socket``) so
+    that no SNI is sent, and never pass a ``session``: HBONE does not resume. After the handshake, call
+    :func:`verify_server_identity` with the destination's expected identities.
+    """
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False  # must precede verify_mode changes; identities are checked on URI SANs instead
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    _configure_common(ctx, cert, tls12_enabled=tls12_enabled)
+    return ctx
+
+
+def _configure_common(ctx: ssl.SSLContext, cert: WorkloadCertificate, *, tls12_enabled: bool) -> None:
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2 if tls12_enabled else ssl.TLSVersion.TLSv1_3
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_3
+    # OP_NO_TICKET: no TLS 1.2 tickets; OP_NO_RENEGOTIATION: rustls never renegotiates either.
+    ctx.options |= ssl.OP_NO_TICKET | ssl.OP_NO_RENEGOTIATION
+    # The TLS 1.2 list is set even when TLS 1.2 is off: OpenSSL requires a non-empty list, and it keeps
+    # get_ciphers() free of anything weaker.
+    ctx.set_ciphers(":".join(TLS12_CIPHERS))
+    set_tls13_ciphersuites(ctx, TLS13_CIPHERSUITES)
+    ctx.set_alpn_protocols([ALPN_H2])
+    # Trust exactly the roots from the CA (PROTOCOL_TLS_* contexts start with an empty store; nothing loads the
+    # system defaults). PARTIAL_CHAIN makes every configured root a trust anchor even if it is not self-signed,
+    # as webpki treats its root store, so a bundle holding an intermediate still works.
+    ctx.load_verify_locations(cadata=cert.roots_pem())
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    _load_chain_from_memory(ctx, cert)
+
+
+def _load_chain_from_memory(ctx: ssl.SSLContext, cert: WorkloadCertificate) -> None:
+    """``load_cert_chain`` without writing the private key to a filesystem.
+
+    ``SSLContext.load_cert_chain`` only accepts paths. An anonymous memfd (``memfd_create``) is RAM-backed,
+    has no name in any mounted filesystem, is close-on-exec, and disappears when closed; its
+    ``/proc/self/fd/<n>`` path is openable only by this process (and root). It holds the chain and key for
+    the duration of the call.
+    """
+    fd = os.memfd_create("ztunnel-workload-cert", os.MFD_CLOEXEC)
+    try:
+        data = (cert.chain_pem() + cert.key_pem()).encode("ascii")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        try:
+            ctx.load_cert_chain(f"/proc/self/fd/{fd}")
+        except ssl.SSLError as e:
+            raise TlsConfigError(f"cannot load the workload certificate chain and key into OpenSSL: {e}") from e
+    finally:
+        os.close(fd)
+
+
+# --- libssl via ctypes ----------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _libssl() -> ctypes.CDLL:
+    import _ssl
+
+    # Use the very libssl the ssl module is linked against: open the _ssl extension itself and let the dynamic
+    # linker resolve libssl symbols through its dependencies. If _ssl is built into the interpreter, the
+    # symbols are in the process image (CDLL(None)).
+    lib = ctypes.CDLL(getattr(_ssl, "__file__", None))
+    lib.SSL_CTX_set_ciphersuites.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    lib.SSL_CTX_set_ciphersuites.restype = ctypes.c_int
+    # uint64_t in OpenSSL 3, unsigned long in 1.1.1: both 64-bit on the LP64 platforms ztunnel runs on.
+    lib.SSL_CTX_get_options.argtypes = [ctypes.c_void_p]
+    lib.SSL_CTX_get_options.restype = ctypes.c_uint64
+    lib.SSL_CTX_ctrl.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p]
+    lib.SSL_CTX_ctrl.restype = ctypes.c_long
+    return lib
+
+
+def _ssl_ctx_pointer(ctx: ssl.SSLContext) -> int:
+    """The ``SSL_CTX*`` inside a CPython ``SSLContext``.
+
+    CPython's ``PySSLContext`` struct is ``{PyObject_HEAD; SSL_CTX *ctx; ...}``, so the pointer sits right
+    after the object header (``object.__basicsize__`` bytes from the object's address). Before trusting it we
+    check that libssl reads the same option bits through it as the ``ssl`` module reports.
+    """
+    try:
+        lib = _libssl()
+    except (OSError, AttributeError) as e:
+        raise TlsConfigError(f"cannot reach libssl through ctypes to restrict TLS 1.3 cipher suites: {e}") from e
+    pointer = ctypes.c_void_p.from_address(id(ctx) + object.__basicsize__).value
+    if not pointer or lib.SSL_CTX_get_options(pointer) != int(ctx.options):
+        raise TlsConfigError(
+            "cannot locate the OpenSSL SSL_CTX inside ssl.SSLContext (unexpected interpreter layout); "
+            "refusing to run without the TLS 1.3 cipher suite restriction. Use CPython 3.11+"
+        )
+    return pointer
+
+
+def set_tls13_ciphersuites(ctx: ssl.SSLContext, suites: Sequence[str]) -> None:
+    """Restrict ``ctx``'s TLS 1.3 cipher suites to ``suites`` (OpenSSL names) and verify it took effect.
+
+    Raises :class:`TlsConfigError` if libssl rejects the list or ``ctx.get_ciphers()`` does not then list
+    exactly ``suites`` for TLS 1.3.
+    """
+    pointer = _ssl_ctx_pointer(ctx)
+    if _libssl().SSL_CTX_set_ciphersuites(pointer, ":".join(suites).encode("ascii")) != 1:
+        raise TlsConfigError(f"libssl rejected the TLS 1.3 cipher suites {list(suites)}")
+    active = [c["name"] for c in ctx.get_ciphers() if c["protocol"] == "TLSv1.3"]
+    if sorted(active) != sorted(suites):
+        raise TlsConfigError(
+            f"TLS 1.3 cipher suites are {active} after setting {list(suites)}; refusing to use this context"
+        )
+
+
+def _disable_server_session_cache(ctx: ssl.SSLContext) -> None:
+    # CPython gives server contexts a session id context, so OpenSSL's default server cache would let a TLS 1.2
+    # client resume by session ID and skip certificate verification; turn the cache off.
+    pointer = _ssl_ctx_pointer(ctx)
+    lib = _libssl()
+    lib.SSL_CTX_ctrl(pointer, _SSL_CTRL_SET_SESS_CACHE_MODE, _SSL_SESS_CACHE_OFF, None)
+    if lib.SSL_CTX_ctrl(pointer, _SSL_CTRL_GET_SESS_CACHE_MODE, 0, None) != _SSL_SESS_CACHE_OFF:
+        raise TlsConfigError("cannot disable the OpenSSL server session cache; refusing to allow TLS resumption")
+
+
+# --- post-handshake identity checks ---------------------------------------------------------------------------
+
+
+def _peer_leaf(ssl_obj: PeerSsl) -> x509.Certificate:
+    der = ssl_obj.getpeercert(binary_form=True)
+    if not der:
+        raise MissingPeerCertificate(
+            "peer presented no certificate; HBONE requires mTLS (is the peer a mesh workload with a certificate?)"
+        )
+    return x509.load_der_x509_certificate(der)
+
+
+def peer_identities(ssl_obj: PeerSsl) -> list[Identity]:
+    """All Istio identities in the peer leaf's URI SANs, in certificate order (first = the peer identity)."""
+    return identities_from_cert(_peer_leaf(ssl_obj))
+
+
+def _check_alpn(ssl_obj: PeerSsl) -> None:
+    got = ssl_obj.selected_alpn_protocol()
+    if got != ALPN_H2:
+        raise AlpnMismatch(
+            f"negotiated ALPN {got!r}, expected {ALPN_H2!r}: the peer is not speaking HBONE "
+            "(is it a ztunnel or waypoint on port 15008?)"
+        )
+
+
+def verify_client_identity(ssl_obj: PeerSsl, local_trust_domain: str) -> Identity:
+    """Server side: check ALPN and that the client is in ``local_trust_domain``; return the client identity.
+
+    The client certificate must carry at least one SPIFFE URI SAN whose trust domain equals the server's own.
+    The returned identity is the first one in the certificate, which is what policy and telemetry use.
+    """
+    _check_alpn(ssl_obj)
+    ids = peer_identities(ssl_obj)
+    if not any(i.trust_domain == local_trust_domain for i in ids):
+        got = ", ".join(map(str, ids)) or "no SPIFFE identity"
+        raise TrustDomainMismatch(
+            f"client certificate identities ({got}) are not in trust domain {local_trust_domain!r}; check that "
+            "both clusters share a trust domain (TRUST_DOMAIN / meshConfig.trustDomain) or use the same root CA"
+        )
+    return ids[0]
+
+
+def verify_server_identity(ssl_obj: PeerSsl, expected: Collection[Identity]) -> Identity:
+    """Client side: check ALPN and that a server URI SAN is one of ``expected``; return the server identity.
+
+    ``expected`` is the destination service's subject alt names plus the destination workload's identity. The
+    returned identity is the first one in the certificate, which is what policy and telemetry use.
+    """
+    _check_alpn(ssl_obj)
+    ids = peer_identities(ssl_obj)
+    if not any(i in expected for i in ids):
+        got = ", ".join(map(str, ids)) or "no SPIFFE identity"
+        want = ", ".join(sorted(map(str, expected))) or "nothing"
+        raise IdentityMismatch(
+            f"server certificate identities ({got}) do not match the expected identities ({want}); check the "
+            "destination workload's service account and the service's subjectAltNames"
+        )
+    return ids[0]
+
+
+# --- handshake failures ---------------------------------------------------------------------------------------
+
+# OpenSSL X509_V_ERR_* codes seen when verifying a peer chain.
+_VERIFY_HINTS: Final[dict[int, str]] = {
+    9: "the peer certificate is not yet valid: check clock skew between the nodes",
+    10: "the peer certificate has expired: check that the peer can reach its CA to rotate certificates",
+    18: "the peer certificate is self-signed and not a trusted root: check that both sides use the same mesh CA",
+    19: "the peer chain ends at an untrusted root: check that both sides use the same mesh CA (root bundle)",
+    20: "the peer certificate does not chain to our roots: check that both sides use the same mesh CA",
+    26: "the peer certificate lacks the required extended key usage (serverAuth/clientAuth)",
+}
+
+# OpenSSL reason codes: the local failure, or the alert the peer sent us about our side.
+_REASON_HINTS: Final[dict[str, str]] = {
+    "PEER_DID_NOT_RETURN_A_CERTIFICATE": "the client sent no certificate: HBONE requires mTLS",
+    "TLSV13_ALERT_CERTIFICATE_REQUIRED": "the server requires a client certificate and we sent none",
+    "NO_SHARED_CIPHER": (
+        "no shared cipher suite: HBONE allows only TLS_AES_256_GCM_SHA384 and TLS_AES_128_GCM_SHA256 "
+        "(plus ECDHE AES-GCM with TLS12_ENABLED=true)"
+    ),
+    "SSLV3_ALERT_HANDSHAKE_FAILURE": "the peer aborted the handshake: check cipher suites and TLS versions",
+    "UNSUPPORTED_PROTOCOL": "TLS version mismatch: HBONE uses TLS 1.3 unless TLS12_ENABLED=true on both sides",
+    "TLSV1_ALERT_PROTOCOL_VERSION": "TLS version mismatch: HBONE uses TLS 1.3 unless TLS12_ENABLED=true on both sides",
+    "WRONG_VERSION_NUMBER": "the peer did not answer with TLS: is it listening for HBONE (port 15008)?",
+    "TLSV1_ALERT_UNKNOWN_CA": "the peer does not trust our certificate's CA: check both sides use the same mesh CA",
+    "SSLV3_ALERT_CERTIFICATE_EXPIRED": "the peer says our certificate has expired: check certificate rotation",
+    "SSLV3_ALERT_BAD_CERTIFICATE": "the peer rejected our certificate: check its CA, validity and key usage",
+    "SSLV3_ALERT_UNSUPPORTED_CERTIFICATE": "the peer rejected our certificate's key usage (serverAuth/clientAuth)",
+}
+
+
+def handshake_error(exc: BaseException) -> TlsError:
+    """Translate a handshake exception from ``ssl``/asyncio into a :class:`TlsError` saying what to check.
+
+    Use as ``raise handshake_error(e) from e``. A :class:`TlsError` is returned unchanged.
+    """
+    if isinstance(exc, TlsError):
+        return exc
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        hint = _VERIFY_HINTS.get(exc.verify_code, "the peer certificate failed verification")
+        return HandshakeFailed(f"TLS handshake failed: {hint} ({exc.verify_message})")
+    if isinstance(exc, ssl.SSLError):
+        hint = _REASON_HINTS.get(exc.reason or "", "TLS error")
+        return HandshakeFailed(f"TLS handshake failed: {hint} ({exc.reason or exc})")
+    if isinstance(exc, ConnectionError | EOFError):
+        return HandshakeFailed(
+            f"TLS handshake failed: connection closed by the peer ({exc!r}); the peer may have rejected our "
+            "certificate, or something (e.g. a NetworkPolicy) is blocking HBONE port 15008"
+        )
+    return HandshakeFailed(f"TLS handshake failed: {exc!r}")
