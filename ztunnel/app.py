@@ -22,7 +22,7 @@ from ztunnel.proxy import Proxy
 from ztunnel.proxy.common import LocalWorkload, ProxyInputs, TlsContextCache
 from ztunnel.proxy.connection_manager import ConnectionManager
 from ztunnel.proxy.pool import WorkloadHBONEPool
-from ztunnel.readiness import Readiness
+from ztunnel.readiness import Readiness, ReadinessServer
 from ztunnel.sockets import SocketConfig, SocketFactory
 from ztunnel.state import ProxyState
 from ztunnel.tasks import TaskGroup
@@ -46,11 +46,15 @@ class App:
     local_config: LocalConfig | None = None
     certs: CertificateProvider | None = None
     proxy: Proxy | None = None
+    readiness_server: ReadinessServer | None = None
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def start(self) -> None:
         """Load state and start every component. Raises :class:`StartupError` with a clear message."""
         state_ready = self.readiness.register("state manager")
+        self.readiness_server = ReadinessServer(self.readiness)
+        addr = self.config.readiness_addr
+        await self.readiness_server.start("localhost" if addr.is_localhost else addr.host, addr.port)
         if self.local_config is not None:
             self.state.apply(self.local_config.update)
             log.info(
@@ -128,6 +132,8 @@ class App:
                 proxy.force_close("drain deadline expired")
             await proxy.pi.tasks.cancel_all(timeout=1.0)
         await self.tasks.cancel_all(timeout=1.0)
+        if self.readiness_server is not None:
+            await self.readiness_server.stop()
         self.stopped.set()
         log.info("shutdown complete")
 

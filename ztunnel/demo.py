@@ -6,7 +6,6 @@ waits until it reports ready, shows what it loaded, then drains it as SIGTERM wo
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import tempfile
 from pathlib import Path
@@ -35,7 +34,9 @@ async def _main(ca_dir: str) -> int:
     print(f"ztunnel (node-a) ready={app.readiness.ready}: {len(app.state.workloads)} workloads, ", end="")
     print(f"{len(app.state.services)} services, {len(app.state.policies)} policies from {EXAMPLE.name}")
     for w in app.state.workloads:
-        print(f"  workload {w.namespace}/{w.name} {', '.join(map(str, w.workload_ips))} {w.protocol.value} {w.identity}")
+        print(
+            f"  workload {w.namespace}/{w.name} {', '.join(map(str, w.workload_ips))} {w.protocol.value} {w.identity}"
+        )
     app.shutdown()
     await app.wait()
     print("drained and stopped cleanly")

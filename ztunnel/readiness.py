@@ -47,3 +47,44 @@ class BlockReady:
 
     def subtask(self, name: str) -> BlockReady:
         return self._readiness.register(name)
+
+
+class ReadinessServer:
+    """``GET /healthz/ready`` on 15021: 200 ``ready`` or 500 ``not ready, pending: a, b`` (upstream format)."""
+
+    def __init__(self, readiness: Readiness) -> None:
+        self.readiness = readiness
+        self._runner: object | None = None
+        self.address: tuple[str, int] | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        from aiohttp import web
+
+        async def ready(request: web.Request) -> web.Response:
+            if request.method != "GET":
+                return web.Response(status=405, text="method not allowed\n")
+            if self.readiness.ready:
+                return web.Response(text="ready\n")
+            pending = self.readiness.pending()
+            if self.readiness.draining:
+                pending = [*pending, "draining"]
+            return web.Response(status=500, text=f"not ready, pending: {', '.join(pending)}\n")
+
+        app = web.Application()
+        app.router.add_route("*", "/healthz/ready", ready)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, host=host, port=port, reuse_address=True)
+        await site.start()
+        self._runner = runner
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        if sockets:
+            h, p = sockets[0].getsockname()[:2]
+            self.address = (str(h), int(p))
+
+    async def stop(self) -> None:
+        from aiohttp import web
+
+        if isinstance(self._runner, web.AppRunner):
+            await self._runner.cleanup()

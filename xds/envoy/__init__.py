@@ -1,0 +1,3 @@
+"""Envoy xDS APIs (package ``envoy.*``), only what ztunnel uses."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Envoy configuration types (``envoy.config.*``)."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Envoy core configuration types (``envoy.config.core.*``)."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Envoy core v3 types (``envoy.config.core.v3``): Node and Locality."""
+
+from __future__ import annotations

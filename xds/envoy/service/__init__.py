@@ -1,0 +1,3 @@
+"""Envoy services (``envoy.service.*``)."""
+
+from __future__ import annotations

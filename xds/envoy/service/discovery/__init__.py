@@ -1,0 +1,3 @@
+"""Envoy discovery services (``envoy.service.discovery.*``)."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Istio APIs (package ``istio.*``)."""
+
+from __future__ import annotations

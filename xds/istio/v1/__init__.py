@@ -1,0 +1,3 @@
+"""Istio v1 APIs (``istio.v1.*``)."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Workload discovery API (``istio.workload``): Address, Workload, Service."""
+
+from __future__ import annotations

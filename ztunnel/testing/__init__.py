@@ -1,0 +1,186 @@
+"""Test toolkit shipped with the package (like ``trio.testing``): servers, clients and node set-ups on loopback.
+
+Used by the test suite, ``make demo`` and the benchmark. Nothing here is mocked: real sockets, real TLS, real
+ztunnel processes or in-process apps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
+TWO_NODE = EXAMPLES / "two-node.yaml"
+
+# The two-node example: node A proxies "client" (127.0.1.1), node B proxies "server" (127.0.2.1), whose app
+# listens on 127.0.2.1:8080 behind the service VIP 127.10.0.10:80.
+NODE_A_IP = "127.0.1.1"
+NODE_B_IP = "127.0.2.1"
+SERVER_APP = ("127.0.2.1", 8080)
+SERVICE_VIP = ("127.10.0.10", 80)
+
+
+def node_env(
+    node: str,
+    ip: str,
+    workload: str,
+    ca_dir: str | Path,
+    config: str | Path = TWO_NODE,
+    **extra: str,
+) -> dict[str, str]:
+    """Environment for a dedicated-mode ztunnel whose listeners all bind ``ip`` (admin/stats/readiness too)."""
+    env = {
+        "XDS_ADDRESS": "",
+        "FAKE_CA": "true",
+        "ZTUNNEL_CA_DIR": str(ca_dir),
+        "LOCAL_XDS_PATH": str(config),
+        "PROXY_MODE": "dedicated",
+        "PROXY_WORKLOAD_INFO": workload,
+        "NODE_NAME": node,
+        "ZTUNNEL_INBOUND_ADDR": f"{ip}:15008",
+        "ZTUNNEL_OUTBOUND_ADDR": f"{ip}:15001",
+        "ZTUNNEL_INBOUND_PLAINTEXT_ADDR": f"{ip}:15006",
+        "ZTUNNEL_SOCKS5_ADDR": f"{ip}:15080",
+        "ZTUNNEL_ADMIN_ADDR": f"{ip}:15000",
+        "ZTUNNEL_STATS_ADDR": f"{ip}:15020",
+        "ZTUNNEL_READINESS_ADDR": f"{ip}:15021",
+        "UNSTABLE_ENABLE_SOCKS5": "true",
+    }
+    env.update(extra)
+    return env
+
+
+class EchoServer:
+    """A TCP echo server. Half-close aware: the client's FIN is answered with FIN after the echo."""
+
+    def __init__(self, mode: str = "echo") -> None:
+        self.mode = mode  # "echo", "reset" (RST after the first bytes), "sink" (read and count)
+        self.server: asyncio.Server | None = None
+        self.received = 0
+        self.connections = 0
+
+    async def start(self, host: str, port: int) -> EchoServer:
+        self.server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
+        return self
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self.server is not None
+        host, port = self.server.sockets[0].getsockname()[:2]
+        return str(host), int(port)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                data = await reader.read(1 << 18)
+                if not data:
+                    break
+                self.received += len(data)
+                if self.mode == "reset":
+                    sock = writer.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    writer.transport.abort()
+                    return
+                if self.mode == "echo":
+                    writer.write(data)
+                    await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()
+            await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.server.wait_closed(), 2)
+
+
+async def socks5_connect(
+    proxy: tuple[str, int], host: str, port: int
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A SOCKS5 CONNECT (no auth) through ``proxy``; raises ConnectionError with the reply code on failure."""
+    reader, writer = await asyncio.open_connection(*proxy)
+    writer.write(b"\x05\x01\x00")
+    if await reader.readexactly(2) != b"\x05\x00":
+        raise ConnectionError("SOCKS5 method negotiation failed")
+    try:
+        addr = b"\x01" + socket.inet_pton(socket.AF_INET, host)
+    except OSError:
+        try:
+            addr = b"\x04" + socket.inet_pton(socket.AF_INET6, host)
+        except OSError:
+            addr = b"\x03" + bytes([len(host)]) + host.encode()
+    writer.write(b"\x05\x01\x00" + addr + struct.pack("!H", port))
+    head = await reader.readexactly(4)
+    tail = 4 + 2 if head[3] == 1 else 16 + 2
+    await reader.readexactly(tail)
+    if head[1] != 0:
+        writer.close()
+        raise ConnectionError(f"SOCKS5 reply {head[1]}")
+    return reader, writer
+
+
+class ZtunnelProcess:
+    """``python -m ztunnel`` in a subprocess, ready once its readiness probe answers 200."""
+
+    def __init__(self, env: Mapping[str, str], log_path: Path | None = None) -> None:
+        self.env = {"PATH": os.environ.get("PATH", ""), **env}
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 20.0) -> ZtunnelProcess:
+        out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen([sys.executable, "-m", "ztunnel", "proxy"], env=self.env, stdout=out, stderr=out)
+        host, _, port = self.env.get("ZTUNNEL_READINESS_ADDR", "127.0.0.1:15021").rpartition(":")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ztunnel exited with {self.proc.returncode}; log: {self.log_path}")
+            try:
+                with socket.create_connection((host, int(port)), timeout=1) as s:
+                    s.sendall(b"GET /healthz/ready HTTP/1.0\r\n\r\n")
+                    if b" 200 " in s.recv(100):
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"ztunnel not ready after {timeout}s; log: {self.log_path}")
+
+    def stop(self, timeout: float = 15.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@contextlib.asynccontextmanager
+async def running_app(env: Mapping[str, str]) -> AsyncIterator[object]:
+    """An in-process ztunnel (``App``) started from ``env``, drained on exit."""
+    from ztunnel.app import build
+    from ztunnel.config import from_env
+
+    app = build(from_env(env))
+    await app.start()
+    try:
+        yield app
+    finally:
+        app.shutdown()
+        await app.wait()
