@@ -68,10 +68,21 @@ class App:
             # No control plane at all: upstream releases the state readiness at once.
             state_ready.release()
         else:
-            raise StartupError(
-                f"XDS_ADDRESS={self.config.xds_address} is set but this build has no xDS client yet; "
-                "use LOCAL_XDS_PATH (and XDS_ADDRESS='') for a local configuration"
-            )
+            # Delta ADS to istiod: the client releases "state manager" after the first ACK of both types; the
+            # proxies start meanwhile, as upstream (a connection waits for its workload to appear).
+            from ztunnel.control import ControlPlaneError, load_root_pem
+            from ztunnel.xds.client import AdsClient
+            from ztunnel.xds.updater import AddressHandler, AuthorizationHandler
+
+            try:
+                load_root_pem(self.config.xds_root_cert, "XDS_ROOT_CA")
+                client = AdsClient(
+                    self.config, [AddressHandler(self.state), AuthorizationHandler(self.state)], state_ready
+                )
+            except ControlPlaneError as e:
+                raise StartupError(str(e)) from None
+            log.info("connecting to xDS server %s", self.config.xds_address)
+            self.tasks.spawn(client.run(), "xds client")
         self.certs = self._certificate_provider()
         if self.config.proxy_mode is ProxyMode.DEDICATED and self.config.enable_proxy:
             proxy_ready = self.readiness.register("proxy")
@@ -87,9 +98,30 @@ class App:
     def _certificate_provider(self) -> CertificateProvider:
         cfg = self.config
         if not cfg.fake_ca:
-            raise StartupError(
-                f"CA_ADDRESS={cfg.ca_address} is set but this build has no Istio CA client yet; use FAKE_CA=true"
-            )
+            # The Istio CA behind upstream's SecretManager; in shared mode node-local workloads' certificates are
+            # prefetched (upstream cert_fetcher.rs).
+            from ztunnel.cert_fetcher import CertFetcher
+            from ztunnel.control import ControlPlaneError, load_root_pem
+            from ztunnel.identity.caclient import CaClient
+            from ztunnel.identity.manager import SecretManager
+
+            try:
+                load_root_pem(cfg.ca_root_cert, "CA_ROOT_CA")
+                client = CaClient.from_config(cfg)
+            except ControlPlaneError as e:
+                raise StartupError(str(e)) from None
+
+            async def close_client_on_drain() -> None:
+                try:
+                    await asyncio.Event().wait()
+                finally:
+                    await client.close()
+
+            self.tasks.spawn(close_client_on_drain(), "ca client")
+            manager = SecretManager(client, tasks=self.tasks)
+            if cfg.proxy_mode is ProxyMode.SHARED and cfg.node_name:
+                CertFetcher(self.state, manager, cfg.node_name)
+            return manager
         try:
             ca = LocalCA.load_or_create(Path(cfg.ca_dir), cfg.trust_domain)
         except (CaError, OSError) as e:

@@ -114,7 +114,10 @@ class ConnectionManager:
     def close_all(self, reason: str) -> None:
         for record in list(self._open.values()):
             if record.closer is not None:
-                record.closer(reason)
+                try:
+                    record.closer(reason)
+                except Exception:  # one connection failing to close must not stop the others
+                    logging.getLogger("ztunnel.proxy").exception("closing connection %d failed", record.id)
 
 
 def log_failed(direction: Direction, src: tuple[IPAddress, int], dst: tuple[IPAddress, int] | None, error: str) -> None:

@@ -117,7 +117,9 @@ class PlainConnection(asyncio.BufferedProtocol):
         self.eof_received_ = True
         if self.peer is not None and self.start == self.end:
             self.peer.plain_eof(self)
-        return True  # keep the write side open: half-close
+        if self.eof_written and self.transport is not None:
+            self.transport.close()  # both directions are finished
+        return True  # otherwise keep the write side open: half-close
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

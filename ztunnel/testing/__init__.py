@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
+from typing import IO
 
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
 TWO_NODE = EXAMPLES / "two-node.yaml"
@@ -140,9 +141,12 @@ class ZtunnelProcess:
         self.env = {"PATH": os.environ.get("PATH", ""), **env}
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
 
     def start(self, timeout: float = 20.0) -> ZtunnelProcess:
-        out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        if self.log_path is not None:
+            self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        out = self._log if self._log is not None else subprocess.DEVNULL
         self.proc = subprocess.Popen([sys.executable, "-m", "ztunnel", "proxy"], env=self.env, stdout=out, stderr=out)
         host, _, port = self.env.get("ZTUNNEL_READINESS_ADDR", "127.0.0.1:15021").rpartition(":")
         deadline = time.monotonic() + timeout
@@ -168,6 +172,9 @@ class ZtunnelProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
         return self.proc.returncode
 
 
@@ -184,3 +191,55 @@ async def running_app(env: Mapping[str, str]) -> AsyncIterator[object]:
     finally:
         app.shutdown()
         await app.wait()
+
+
+async def hbone_dial(addr: tuple[str, int], cert: object, verify_server: object = None) -> object:
+    """A raw HBONE client connection (our HTTP/2 core over TLS) to ``addr``, presenting ``cert``.
+
+    Returns the connected :class:`~ztunnel.proxy.hbone.connection.HboneTransport`. Raises ``ConnectionError``
+    when the handshake fails (the reason is in the message).
+    """
+    from ztunnel import tls
+    from ztunnel.identity.certificate import WorkloadCertificate
+    from ztunnel.proxy.hbone.connection import HboneTransport
+    from ztunnel.proxy.hbone.core import HboneConnection
+
+    assert isinstance(cert, WorkloadCertificate)
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[HboneTransport] = loop.create_future()
+
+    def handshake(t: HboneTransport) -> None:
+        if not done.done():
+            done.set_result(t)
+
+    def closed(t: HboneTransport) -> None:
+        if not done.done():
+            done.set_exception(ConnectionError(t.close_reason))
+
+    ctx = tls.client_context(cert)
+    await loop.create_connection(
+        lambda: HboneTransport(HboneConnection(True), ctx, on_handshake=handshake, on_closed=closed), *addr
+    )
+    conn = await asyncio.wait_for(done, 10)
+    # TLS 1.3: the server checks our certificate after our side finished; give its verdict a moment to arrive.
+    await asyncio.sleep(0.05)
+    if conn.closed:
+        raise ConnectionError(conn.close_reason)
+    return conn
+
+
+async def hbone_request(
+    conn: object, authority: str, method: str = "CONNECT", headers: list[tuple[str, str]] | None = None
+) -> tuple[int, object]:
+    """Send one request on a raw HBONE connection; returns (status, stream)."""
+    from ztunnel.proxy.hbone.connection import HboneTransport
+    from ztunnel.proxy.relay import HboneStream
+
+    assert isinstance(conn, HboneTransport)
+    stream_id = conn.core.send_connect(authority, headers or [], method=method)
+    stream = HboneStream(conn, stream_id)
+    stream.response = asyncio.get_running_loop().create_future()
+    conn.handlers[stream_id] = stream
+    conn.flush()
+    status, _ = await asyncio.wait_for(stream.response, 10)
+    return status, stream

@@ -46,6 +46,7 @@ import h2.settings
 # Frame header: 24-bit length + 8-bit type packed as one u32, then flags (u8) and stream id (u32).
 _HEADER = struct.Struct(">IBI")
 _WINDOW_UPDATE = struct.Struct(">IBII")
+_GOAWAY = struct.Struct(">IBIII")
 FRAME_HEADER_SIZE = 9
 DATA = 0x0
 FLAG_END_STREAM = 0x1
@@ -226,6 +227,7 @@ class HboneConnection:
         self._conn_unacked = 0
         self._out = bytearray()
         self.goaway_received: GoAwayReceived | None = None
+        self.goaway_sent: int | None = None  # the last stream id we promised to process
         self.closed = False
 
     # -- setup -----------------------------------------------------------------------------------------------
@@ -290,7 +292,11 @@ class HboneConnection:
             n = min(len(buf), len(view))
             buf[:n] = view[:n]
             view = view[n:]
-            events.extend(self.buffer_updated(n))
+            for ev in self.buffer_updated(n):
+                if type(ev) is DataReceived:
+                    # Views die at the next get_buffer; this convenience path hands out copies.
+                    ev.data = memoryview(bytes(ev.data))
+                events.append(ev)
         return events
 
     def buffer_updated(self, nbytes: int) -> list[Event]:
@@ -407,13 +413,16 @@ class HboneConnection:
         except h2.exceptions.ProtocolError as e:
             self.closed = True
             code = getattr(e, "error_code", ErrorCode.PROTOCOL_ERROR)
-            raise HboneProtocolError(f"HTTP/2 protocol error: {e}", ErrorCode(int(code))) from None
+            raise HboneProtocolError(f"HTTP/2 protocol error ({type(e).__name__}): {e}", ErrorCode(int(code))) from None
         return self._translate(h2_events)
 
     def _translate(self, h2_events: Iterable[h2.events.Event]) -> list[Event]:
         out: list[Event] = []
         for ev in h2_events:
             if isinstance(ev, h2.events.RequestReceived):
+                if self.goaway_sent is not None and ev.stream_id > self.goaway_sent:
+                    self.reset_stream(ev.stream_id, ErrorCode.REFUSED_STREAM)  # after our GOAWAY: not processed
+                    continue
                 headers = _decode_headers(ev.headers)
                 self.streams[ev.stream_id] = _Stream(recv_window=self.settings.stream_window)
                 out.append(
@@ -470,7 +479,7 @@ class HboneConnection:
     def _fail_stream(self, stream_id: int, code: ErrorCode) -> None:
         # The frame's bytes are still consumed (and counted against the connection window) by the caller.
         self.streams.pop(stream_id, None)
-        with contextlib.suppress(h2.exceptions.StreamClosedError):
+        with contextlib.suppress(h2.exceptions.ProtocolError):
             self.h2.reset_stream(stream_id, error_code=code)
 
     # -- flow control ----------------------------------------------------------------------------------------
@@ -505,10 +514,16 @@ class HboneConnection:
 
     # -- sending ---------------------------------------------------------------------------------------------
 
-    def send_connect(self, authority: str, headers: Iterable[tuple[str, str]] = ()) -> int:
-        """Client: open a tunnel to ``authority`` (``ip:port``). Returns the stream id."""
+    def send_connect(self, authority: str, headers: Iterable[tuple[str, str]] = (), method: str = "CONNECT") -> int:
+        """Client: open a tunnel to ``authority`` (``ip:port``). Returns the stream id.
+
+        ``method`` exists for conformance tests of servers (a non-CONNECT request must get a 400).
+        """
         stream_id = self.h2.get_next_available_stream_id()
-        block = [(":method", "CONNECT"), (":authority", authority), *headers]
+        block = [(":method", method), (":authority", authority)]
+        if method != "CONNECT":
+            block += [(":scheme", "https"), (":path", "/")]
+        block += list(headers)
         self.h2.send_headers(stream_id, block)
         self.streams[stream_id] = _Stream(recv_window=self.settings.stream_window)
         return stream_id
@@ -517,7 +532,12 @@ class HboneConnection:
         self, stream_id: int, status: int, headers: Iterable[tuple[str, str]] = (), end_stream: bool = False
     ) -> None:
         """Server: answer a CONNECT. A non-200 status ends the stream (upstream sends errors with END_STREAM)."""
-        self.h2.send_headers(stream_id, [(":status", str(status)), *headers], end_stream=end_stream)
+        try:
+            self.h2.send_headers(stream_id, [(":status", str(status)), *headers], end_stream=end_stream)
+        except h2.exceptions.ProtocolError:
+            # The client reset the stream (or the connection closed) while we were deciding: nothing to answer.
+            self.streams.pop(stream_id, None)
+            return
         if end_stream:
             self._local_closed(stream_id)
 
@@ -552,13 +572,13 @@ class HboneConnection:
         st = self.streams.get(stream_id)
         if st is None or st.local_closed:
             return
-        with contextlib.suppress(h2.exceptions.StreamClosedError):
+        with contextlib.suppress(h2.exceptions.ProtocolError):
             self.h2.end_stream(stream_id)
         self._local_closed(stream_id)
 
     def reset_stream(self, stream_id: int, code: ErrorCode = ErrorCode.CANCEL) -> None:
         self.streams.pop(stream_id, None)
-        with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.NoSuchStreamError):
+        with contextlib.suppress(h2.exceptions.ProtocolError):  # a stream or connection already closed
             self.h2.reset_stream(stream_id, error_code=code)
 
     def _local_closed(self, stream_id: int) -> None:
@@ -572,8 +592,16 @@ class HboneConnection:
         self.h2.ping(data)
 
     def goaway(self, code: ErrorCode = ErrorCode.NO_ERROR) -> None:
-        """Tell the peer no new streams will be accepted; open ones may finish (graceful drain)."""
-        self.h2.close_connection(error_code=code, last_stream_id=self.h2.highest_inbound_stream_id)
+        """Tell the peer no new streams will be accepted; open ones may finish (graceful drain).
+
+        The frame is written here rather than with ``H2Connection.close_connection``: h2 treats that as the end
+        of the connection and refuses to send anything more, while a graceful GOAWAY lets open streams finish.
+        """
+        if self.goaway_sent is not None:
+            return
+        last = self.h2.highest_inbound_stream_id
+        self.goaway_sent = last
+        self._out += _GOAWAY.pack(8 << 8 | 0x7, 0, 0, last, code)
 
     @property
     def open_streams(self) -> int:

@@ -1,0 +1,291 @@
+"""The sans-IO HBONE core against raw frames (hyperframe as the independent encoder) and against itself."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from hyperframe.frame import (
+    DataFrame,
+    Frame,
+    GoAwayFrame,
+    RstStreamFrame,
+    SettingsFrame,
+    WindowUpdateFrame,
+)
+
+from ztunnel.proxy.hbone.core import (
+    FRAME_HEADER_SIZE,
+    ConnectRequested,
+    ConnectResponded,
+    DataReceived,
+    ErrorCode,
+    GoAwayReceived,
+    HboneConnection,
+    HboneProtocolError,
+    Settings,
+    StreamEnded,
+    StreamReset,
+    WindowOpened,
+)
+
+
+def frames(data: bytes) -> list[Frame]:
+    out = []
+    pos = 0
+    if data.startswith(b"PRI * HTTP/2.0"):
+        pos = 24
+    while pos < len(data):
+        f, length = Frame.parse_frame_header(memoryview(data[pos : pos + 9]))
+        f.parse_body(memoryview(data[pos + 9 : pos + 9 + length]))
+        out.append(f)
+        pos += 9 + length
+    return out
+
+
+def pump(a: HboneConnection, b: HboneConnection) -> list[object]:
+    data = a.data_to_send()
+    return list(b.receive_data(data)) if data else []
+
+
+def connected() -> tuple[HboneConnection, HboneConnection, int]:
+    c, s = HboneConnection(True), HboneConnection(False)
+    c.initiate()
+    s.initiate()
+    pump(c, s)
+    pump(s, c)
+    pump(c, s)  # settings ACK
+    sid = c.send_connect("10.0.0.1:8080", [("traceparent", "00-x")])
+    pump(c, s)
+    s.send_response(sid, 200)
+    pump(s, c)
+    return c, s, sid
+
+
+def send(c: HboneConnection, sid: int, payload: bytes) -> bytes:
+    buf = bytearray(FRAME_HEADER_SIZE + len(payload))
+    buf[FRAME_HEADER_SIZE:] = payload
+    n = c.frame_data(sid, buf, FRAME_HEADER_SIZE, len(payload))
+    return c.data_to_send() + bytes(buf[: FRAME_HEADER_SIZE + n])
+
+
+def data_of(events: Sequence[object]) -> bytes:
+    return b"".join(bytes(e.data) for e in events if isinstance(e, DataReceived))
+
+
+def test_settings_as_upstream() -> None:
+    s = HboneConnection(False)
+    s.initiate()
+    fs = frames(s.data_to_send())
+    settings = next(f for f in fs if isinstance(f, SettingsFrame))
+    assert settings.settings[SettingsFrame.INITIAL_WINDOW_SIZE] == 4 * 1024 * 1024
+    assert settings.settings[SettingsFrame.MAX_FRAME_SIZE] == 1024 * 1024
+    assert settings.settings[SettingsFrame.MAX_CONCURRENT_STREAMS] == 200
+    assert settings.settings[SettingsFrame.MAX_HEADER_LIST_SIZE] == 64 * 1024
+    wu = next(f for f in fs if isinstance(f, WindowUpdateFrame))
+    assert wu.stream_id == 0 and wu.window_increment == 16 * 1024 * 1024 - 65535
+    c = HboneConnection(True)
+    c.initiate()
+    cf = next(f for f in frames(c.data_to_send()) if isinstance(f, SettingsFrame))
+    assert cf.settings[SettingsFrame.MAX_HEADER_LIST_SIZE] == 16 * 1024
+    assert cf.settings[SettingsFrame.ENABLE_PUSH] == 0
+    assert SettingsFrame.MAX_CONCURRENT_STREAMS not in cf.settings
+
+
+def test_connect_has_authority_and_no_scheme_or_path() -> None:
+    c, s = HboneConnection(True), HboneConnection(False)
+    c.initiate()
+    s.initiate()
+    pump(c, s)
+    pump(s, c)
+    sid = c.send_connect("[fd00::1]:8080", [("forwarded", 'for="1.2.3.4:5"')])
+    events = pump(c, s)
+    req = next(e for e in events if isinstance(e, ConnectRequested))
+    assert (req.stream_id, req.method, req.authority) == (sid, "CONNECT", "[fd00::1]:8080")
+    assert ":scheme" not in req.headers and ":path" not in req.headers
+    assert req.headers["forwarded"] == 'for="1.2.3.4:5"'
+
+
+def test_response_and_data_both_ways_with_end_stream() -> None:
+    c, s, sid = connected()
+    got = s.receive_data(send(c, sid, b"hello"))
+    assert data_of(got) == b"hello"
+    got = c.receive_data(send(s, sid, b"world"))
+    assert data_of(got) == b"world"
+    c.end_stream(sid)
+    assert [type(e) for e in pump(c, s)] == [StreamEnded]
+    s.end_stream(sid)
+    assert [type(e) for e in pump(s, c)] == [StreamEnded]
+    assert c.streams == {} and s.streams == {}
+
+
+def test_half_close_is_empty_data_with_end_stream() -> None:
+    c, _s, sid = connected()
+    c.end_stream(sid)
+    (f,) = frames(c.data_to_send())
+    assert isinstance(f, DataFrame) and f.data == b"" and "END_STREAM" in f.flags and f.stream_id == sid
+
+
+def test_raw_data_frames_padded_and_split_across_reads() -> None:
+    _c, s, sid = connected()
+    f = DataFrame(sid, b"abcdef" * 1000)
+    f.flags.add("PADDED")
+    f.pad_length = 20
+    wire = f.serialize()
+    events: list[object] = []
+    for i in range(0, len(wire), 7):  # 7-byte reads: headers and payload split everywhere
+        events += s.receive_data(wire[i : i + 7])
+    assert data_of(events) == b"abcdef" * 1000
+    # Flow control counted payload + pad length byte + padding.
+    assert s.streams[sid].recv_window == 4 * 1024 * 1024 - (6000 + 1 + 20)
+
+
+def test_data_end_stream_flag_on_payload_frame() -> None:
+    _c, s, sid = connected()
+    f = DataFrame(sid, b"last")
+    f.flags.add("END_STREAM")
+    events = s.receive_data(f.serialize())
+    assert data_of(events) == b"last"
+    assert isinstance(events[-1], StreamEnded)
+
+
+def test_frame_data_respects_window_and_peer_frame_size() -> None:
+    c, s = HboneConnection(True), HboneConnection(False, Settings(stream_window=100_000, max_concurrent_streams=200))
+    c.initiate()
+    s.initiate()
+    pump(c, s)
+    pump(s, c)
+    sid = c.send_connect("10.0.0.1:80")
+    pump(c, s)
+    payload = bytearray(9 + 300_000)
+    n = c.frame_data(sid, payload, 9, 300_000)
+    assert n == 100_000  # the stream window the server advertised
+    assert c.frame_data(sid, payload, 9 + n, 300_000 - n) == 0  # closed until a WINDOW_UPDATE arrives
+    c.receive_data(WindowUpdateFrame(sid, window_increment=5).serialize())
+    assert c.frame_data(sid, payload, 9 + n, 10) == 5
+
+
+def test_window_updates_are_batched_and_released_by_consumer() -> None:
+    c, s, sid = connected()
+    chunk = b"x" * 1024 * 1024
+    for _ in range(3):
+        ev = s.receive_data(send(c, sid, chunk))
+        s.ack_data(sid, sum(e.flow_controlled_length for e in ev if isinstance(e, DataReceived)))
+    # 3 MiB consumed: each MiB reaches a quarter of the 4 MiB stream window and is released; the 16 MiB
+    # connection window's quarter (4 MiB) is not reached yet, so no connection-level update.
+    wus = [f for f in frames(s.data_to_send()) if isinstance(f, WindowUpdateFrame)]
+    assert {f.stream_id for f in wus} == {sid}
+    assert sum(f.window_increment for f in wus) == 3 * 1024 * 1024
+    # Unacknowledged data holds the stream window back (a slow reader): nothing is released.
+    s.receive_data(send(c, sid, chunk * 2))
+    assert [f.stream_id for f in frames(s.data_to_send()) if isinstance(f, WindowUpdateFrame)] == [0]
+
+
+def test_flow_control_violation_resets_the_stream() -> None:
+    _c, s, sid = connected()
+    s.streams[sid].recv_window = 10
+    events = s.receive_data(DataFrame(sid, b"x" * 11).serialize())
+    assert data_of(events) == b""
+    rst = [f for f in frames(s.data_to_send()) if isinstance(f, RstStreamFrame)]
+    assert rst and rst[0].error_code == ErrorCode.FLOW_CONTROL_ERROR
+
+
+def test_reset_no_error_and_cancel_are_eof_others_are_resets() -> None:
+    c, _s, sid = connected()
+    (ev,) = c.receive_data(RstStreamFrame(sid, error_code=ErrorCode.CANCEL).serialize())
+    assert isinstance(ev, StreamReset) and ev.is_eof
+    c2, _s2, sid2 = connected()
+    (ev2,) = c2.receive_data(RstStreamFrame(sid2, error_code=ErrorCode.CONNECT_ERROR).serialize())
+    assert isinstance(ev2, StreamReset) and not ev2.is_eof
+
+
+def test_goaway_received_and_sent() -> None:
+    c, s, sid = connected()
+    s.goaway()
+    events = pump(s, c)
+    g = next(e for e in events if isinstance(e, GoAwayReceived))
+    assert g.last_stream_id == sid and g.error_code == 0
+    assert c.goaway_received is g
+
+
+def test_data_on_reset_stream_goes_to_h2() -> None:
+    _c, s, sid = connected()
+    s.reset_stream(sid, ErrorCode.CANCEL)
+    s.data_to_send()
+    events = s.receive_data(DataFrame(sid, b"zz").serialize())
+    assert events == []
+    out = frames(s.data_to_send())
+    # h2 answers for the closed stream (and accounts the connection window itself).
+    assert any(isinstance(f, RstStreamFrame) and f.stream_id == sid for f in out)
+
+
+def test_data_on_idle_stream_is_a_connection_error() -> None:
+    _c, s, _sid = connected()
+    with pytest.raises(HboneProtocolError):
+        s.receive_data(DataFrame(99, b"zz").serialize())
+    assert any(isinstance(f, GoAwayFrame) for f in frames(s.data_to_send()))
+
+
+def test_oversized_frame_is_a_connection_error() -> None:
+    _c, s, sid = connected()
+    header = (2 * 1024 * 1024).to_bytes(3, "big") + b"\x00\x00" + sid.to_bytes(4, "big")
+    with pytest.raises(HboneProtocolError) as e:
+        s.receive_data(header)
+    assert e.value.code == ErrorCode.FRAME_SIZE_ERROR
+    assert any(isinstance(f, GoAwayFrame) for f in frames(s.data_to_send()))
+
+
+def test_garbage_preface_is_a_protocol_error() -> None:
+    s = HboneConnection(False)
+    s.initiate()
+    with pytest.raises(HboneProtocolError):
+        s.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+
+
+def test_non_connect_request_is_reported_for_a_400() -> None:
+    c, s = HboneConnection(True), HboneConnection(False)
+    c.initiate()
+    s.initiate()
+    pump(c, s)
+    pump(s, c)
+    sid = c.h2.get_next_available_stream_id()
+    c.h2.send_headers(sid, [(":method", "GET"), (":scheme", "https"), (":path", "/"), (":authority", "x")])
+    req = next(e for e in pump(c, s) if isinstance(e, ConnectRequested))
+    assert req.method == "GET"
+    s.send_response(sid, 400, end_stream=True)
+    ev = pump(s, c)
+    assert isinstance(ev[0], ConnectResponded) and ev[0].status == 400
+    assert isinstance(ev[1], StreamEnded)
+
+
+def test_receive_buffer_views_and_pin() -> None:
+    c, s, sid = connected()
+    wire = send(c, sid, b"a" * 5000)
+    buf = s.get_buffer()
+    buf[: len(wire)] = wire
+    (ev,) = [e for e in s.buffer_updated(len(wire)) if isinstance(e, DataReceived)]
+    kept = ev.data
+    s.pin()  # the consumer keeps the view: the next read must not overwrite it
+    wire2 = send(c, sid, b"b" * 5000)
+    buf2 = s.get_buffer()
+    buf2[: len(wire2)] = wire2
+    s.buffer_updated(len(wire2))
+    assert bytes(kept) == b"a" * 5000
+
+
+def test_window_opened_event_on_peer_update() -> None:
+    c, _s, sid = connected()
+    events = c.receive_data(WindowUpdateFrame(sid, window_increment=100).serialize())
+    assert events == [WindowOpened(sid)]
+
+
+def test_headers_continuation_reassembled_by_h2() -> None:
+    c, s = HboneConnection(True), HboneConnection(False)
+    c.initiate()
+    s.initiate()
+    pump(c, s)
+    pump(s, c)
+    c.send_connect("10.0.0.1:80", [("x-big", "v" * 30000)])
+    events = pump(c, s)
+    # A 30 KB header block does not fit one 16 KiB frame: it arrived as HEADERS + CONTINUATION.
+    assert any(isinstance(e, ConnectRequested) and e.headers["x-big"] == "v" * 30000 for e in events)
