@@ -38,6 +38,9 @@ class SocketConfig:
     keepalive_retries: int = 9
     user_timeout_enabled: bool = False
     mark: int | None = None
+    # Outbound connections leave from this IP when set: a node bound to one address of a multi-address host (the
+    # loopback demo's 127.0.1.1) is then seen by peers under that address, as a real node would be.
+    source_ip: str | None = None
 
     @classmethod
     def from_config(cls, cfg: Config) -> SocketConfig:
@@ -48,7 +51,15 @@ class SocketConfig:
             keepalive_retries=cfg.keepalive_retries,
             user_timeout_enabled=cfg.user_timeout_enabled,
             mark=cfg.packet_mark,
+            source_ip=_specific_ip(cfg.outbound_addr),
         )
+
+
+def _specific_ip(addr: SocketAddress) -> str | None:
+    if addr.is_localhost:
+        return None
+    ip = ipaddress.ip_address(addr.host)
+    return None if ip.is_unspecified else str(ip)
 
 
 def original_dst(sock: socket.socket) -> tuple[IPAddress, int] | None:
@@ -151,6 +162,9 @@ class SocketFactory:
             set_mark(sock, self.cfg.mark)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_keepalive(sock, self.cfg)
+            src = self.cfg.source_ip
+            if src is not None and family_of(ipaddress.ip_address(src)) == family:
+                sock.bind((src, 0))
         except BaseException:
             sock.close()
             raise

@@ -29,6 +29,9 @@ _LEVELS = {
     "error": logging.ERROR,
     "off": logging.CRITICAL + 10,
 }
+# Libraries whose debug output is per frame or per header (and costly to produce): they stay at warn unless a
+# filter names them, as upstream silences hickory's server logs by default.
+_QUIET = ("hpack", "h2", "hyperframe", "grpc", "aiohttp.access", "asyncio")
 _NAMES = {TRACE: "trace", logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warn", logging.ERROR: "error"}
 
 
@@ -147,6 +150,10 @@ def _apply(spec: str, reset: bool) -> None:
         default = logging.INFO if default is None else default
     if default is not None:
         logging.getLogger().setLevel(default)
+        for name in _QUIET:
+            if name not in targets:
+                logging.getLogger(name).setLevel(max(default, logging.WARNING))
+                _state.touched.add(name)
     for name, level in targets.items():
         logging.getLogger(name).setLevel(level)
         _state.touched.add(name)
