@@ -1,11 +1,15 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ztunnel.identity import Identity
 from ztunnel.rbac import (
+    NOT_ALLOWED,
     Action,
     Authorization,
     Connection,
@@ -14,8 +18,10 @@ from ztunnel.rbac import (
     ServiceAccountMatch,
     StringMatch,
     StringMatchKind,
+    evaluate,
     parse_cidr,
 )
+from ztunnel.state import ProxyState, StateUpdate
 
 ALICE = Identity("cluster.local", "ns-a", "alice")
 
@@ -90,3 +96,140 @@ def test_ipv6_cidr() -> None:
     c = conn(src="fd00::5", dst="fd00::6")
     assert one(Match(source_ips=(parse_cidr("fd00::/64"),))).matches(c)
     assert not one(Match(destination_ips=(parse_cidr("fe80::/10"),))).matches(c)
+
+
+# -- evaluation: scopes, DENY before ALLOW, dry-run ---------------------------------------------------------------
+
+
+PORT80 = Match(destination_ports=(80,))
+PORT81 = Match(destination_ports=(81,))
+
+
+def pol(
+    name: str, action: Action, *matches: Match, dry_run: bool = False, scope: Scope = Scope.NAMESPACE, ns: str = "ns"
+) -> Authorization:
+    rules = tuple(((m,),) for m in matches)
+    return Authorization(name, ns, scope, action, rules=rules, dry_run=dry_run)
+
+
+def test_no_policies_allows() -> None:
+    assert evaluate([], conn()).allowed
+
+
+def test_deny_before_allow_with_upstream_reasons() -> None:
+    allow = pol("allow-80", Action.ALLOW, PORT80)
+    deny = pol("deny-80", Action.DENY, PORT80)
+    d = evaluate([allow, deny], conn())
+    assert not d.allowed and d.reason == "explicitly denied by: ns/deny-80" and d.policy == "ns/deny-80"
+    d = evaluate([pol("allow-81", Action.ALLOW, PORT81)], conn())
+    assert not d.allowed and d.reason == NOT_ALLOWED == "allow policies exist, but none allowed"
+    assert evaluate([pol("allow-81", Action.ALLOW, PORT81), allow], conn()).allowed
+    assert evaluate([pol("deny-81", Action.DENY, PORT81)], conn()).allowed
+
+
+def test_dry_run_never_enforced_but_logged(caplog: pytest.LogCaptureFixture) -> None:
+    log = logging.getLogger("test.rbac")
+    caplog.set_level(logging.DEBUG, logger="test.rbac")
+    deny_dry = pol("deny-dry", Action.DENY, PORT80, dry_run=True)
+    allow_dry = pol("allow-dry", Action.ALLOW, PORT81, dry_run=True)
+    assert evaluate([deny_dry, allow_dry], conn(), log, logging.DEBUG).allowed
+    messages = [r.getMessage() for r in caplog.records]
+    assert "dry-run: deny policy match" in messages
+    assert "dry-run: no allow policies match" in messages
+
+
+def test_scopes_select_policies() -> None:
+    state = ProxyState()
+    state.apply(
+        StateUpdate(
+            policies=[
+                pol("global-deny-81", Action.DENY, PORT81, scope=Scope.GLOBAL, ns="istio-system"),
+                pol("ns-allow-80", Action.ALLOW, PORT80, ns="ns"),
+                pol("other-ns-deny-80", Action.DENY, PORT80, ns="other"),
+                pol("selected-deny-80", Action.DENY, PORT80, scope=Scope.WORKLOAD_SELECTOR, ns="ns"),
+            ]
+        )
+    )
+    plain = state.policies.for_workload("ns", ())
+    assert {p.key for p in plain} == {"istio-system/global-deny-81", "ns/ns-allow-80"}
+    assert evaluate(plain, conn()).allowed
+    assert not evaluate(plain, conn(port=81)).allowed  # the global DENY applies everywhere
+    selected = state.policies.for_workload("ns", ("ns/selected-deny-80", "ns/not-yet-known"))
+    assert "ns/selected-deny-80" in {p.key for p in selected}
+    assert not evaluate(selected, conn()).allowed
+    assert evaluate(state.policies.for_workload("elsewhere", ()), conn()).allowed
+
+
+def test_peer_authentication_strict_blocks_plaintext() -> None:
+    strict = Authorization(
+        "istio_converted_static_strict",
+        "ns",
+        Scope.NAMESPACE,
+        Action.DENY,
+        rules=(((Match(not_principals=(StringMatch(StringMatchKind.PRESENCE),)),),),),
+    )
+    assert not evaluate([strict], conn(identity=None)).allowed
+    assert evaluate([strict], conn()).allowed
+
+
+# Hypothesis: invariants of the decision procedure over random policies and connections.
+_matches = st.builds(
+    Match,
+    destination_ports=st.lists(st.sampled_from([80, 81, 443]), max_size=2).map(tuple),
+    not_destination_ports=st.lists(st.sampled_from([80, 81, 443]), max_size=1).map(tuple),
+    namespaces=st.lists(
+        st.sampled_from([StringMatch(StringMatchKind.EXACT, "ns-a"), StringMatch(StringMatchKind.PREFIX, "ns-b")]),
+        max_size=1,
+    ).map(tuple),
+    principals=st.lists(
+        st.sampled_from([StringMatch(StringMatchKind.PRESENCE), StringMatch(StringMatchKind.SUFFIX, "alice")]),
+        max_size=1,
+    ).map(tuple),
+)
+_rules = st.lists(st.lists(st.lists(_matches, max_size=2).map(tuple), max_size=2).map(tuple), max_size=2).map(tuple)
+_policies = st.lists(
+    st.builds(
+        Authorization,
+        name=st.sampled_from(["a", "b", "c", "d"]),
+        namespace=st.just("ns"),
+        scope=st.just(Scope.NAMESPACE),
+        action=st.sampled_from(list(Action)),
+        rules=_rules,
+        dry_run=st.booleans(),
+    ),
+    max_size=4,
+)
+_conns = st.builds(
+    conn,
+    port=st.sampled_from([80, 81, 443]),
+    identity=st.sampled_from([ALICE, Identity("cluster.local", "ns-b1", "bob"), None]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_policies, _conns, _rules)
+def test_adding_deny_never_allows_more(policies: list[Authorization], c: Connection, rules: tuple) -> None:
+    before = evaluate(policies, c).allowed
+    after = evaluate([*policies, Authorization("new", "ns", Scope.NAMESPACE, Action.DENY, rules)], c).allowed
+    assert not (not before and after)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_policies, _conns, _rules)
+def test_adding_allow_to_a_set_with_allows_never_denies_more(
+    policies: list[Authorization], c: Connection, rules: tuple
+) -> None:
+    if not any(p.action is Action.ALLOW and not p.dry_run for p in policies):
+        return
+    before = evaluate(policies, c).allowed
+    after = evaluate([*policies, Authorization("new", "ns", Scope.NAMESPACE, Action.ALLOW, rules)], c).allowed
+    assert not (before and not after)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_policies, _conns, _rules, st.sampled_from(list(Action)))
+def test_dry_run_policy_never_changes_the_decision(
+    policies: list[Authorization], c: Connection, rules: tuple, action: Action
+) -> None:
+    dry = Authorization("dry", "ns", Scope.NAMESPACE, action, rules, dry_run=True)
+    assert evaluate([*policies, dry], c) == evaluate(policies, c)

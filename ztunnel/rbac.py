@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import enum
 import ipaddress
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -188,3 +189,75 @@ class Authorization:
 def parse_cidr(text: str) -> IPNetwork:
     """A CIDR (``10.0.0.0/8``, ``fd00::/8``) or a bare IP (a /32 or /128). Host bits are masked off."""
     return ipaddress.ip_network(text.strip(), strict=False)
+
+
+NOT_ALLOWED = "allow policies exist, but none allowed"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The outcome of evaluating a connection. ``reason`` is upstream's wording for a denial."""
+
+    allowed: bool
+    reason: str = ""
+    policy: str | None = None  # the DENY policy that matched
+
+
+ALLOWED = Decision(True)
+
+
+def evaluate(
+    policies: Iterable[Authorization], conn: Connection, log: logging.Logger | None = None, log_level: int = 0
+) -> Decision:
+    """Istio semantics (upstream ``state.rs::assert_rbac``): any matching DENY denies; no ALLOW policies allows;
+    a matching ALLOW allows; otherwise deny. Dry-run policies are evaluated and logged, never enforced."""
+    allow: list[Authorization] = []
+    allow_dry: list[Authorization] = []
+    deny: list[Authorization] = []
+    deny_dry: list[Authorization] = []
+    for p in policies:
+        if p.action is Action.ALLOW:
+            (allow_dry if p.dry_run else allow).append(p)
+        else:
+            (deny_dry if p.dry_run else deny).append(p)
+    say = _logger(log, log_level, conn)
+    if say is not None:
+        for p in deny_dry:
+            if p.matches(conn):
+                say("dry-run: deny policy match", p)
+        if allow_dry:
+            matched = [p for p in allow_dry if p.matches(conn)]
+            for p in matched:
+                say("dry-run: allow policy match", p)
+            if not allow and not matched:
+                # Allowed now, but would be denied if the dry-run ALLOW policies were enforced.
+                say("dry-run: no allow policies match", None)
+    for p in deny:
+        if p.matches(conn):
+            if say is not None:
+                say("deny policy match", p)
+            return Decision(False, f"explicitly denied by: {p.key}", p.key)
+    if not allow:
+        return ALLOWED
+    for p in allow:
+        if p.matches(conn):
+            if say is not None:
+                say("allow policy match", p)
+            return ALLOWED
+    if say is not None:
+        say("no allow policies matched", None)
+    return Decision(False, NOT_ALLOWED)
+
+
+def _logger(
+    log: logging.Logger | None, level: int, conn: Connection
+) -> Callable[[str, Authorization | None], None] | None:
+    """A policy-decision logger, or None when the level is off (then evaluation pays nothing for logs)."""
+    if log is None or not log.isEnabledFor(level):
+        return None
+
+    def say(message: str, policy: Authorization | None) -> None:
+        fields = {"conn": str(conn)} if policy is None else {"policy": policy.key, "conn": str(conn)}
+        log.log(level, message, extra={"fields": fields})
+
+    return say

@@ -154,8 +154,11 @@ class SocketFactory:
     def __init__(self, cfg: SocketConfig) -> None:
         self.cfg = cfg
 
-    def tcp(self, family: socket.AddressFamily) -> socket.socket:
-        """An unconnected, non-blocking TCP socket for an outbound connection (marked, keepalive on)."""
+    def tcp(self, family: socket.AddressFamily, *, bind_source: bool = True) -> socket.socket:
+        """An unconnected, non-blocking TCP socket for an outbound connection (marked, keepalive on).
+
+        ``bind_source=False`` leaves it unbound, for a caller that binds a (spoofed) source address itself.
+        """
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setblocking(False)
@@ -163,7 +166,7 @@ class SocketFactory:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_keepalive(sock, self.cfg)
             src = self.cfg.source_ip
-            if src is not None and family_of(ipaddress.ip_address(src)) == family:
+            if bind_source and src is not None and family_of(ipaddress.ip_address(src)) == family:
                 sock.bind((src, 0))
         except BaseException:
             sock.close()

@@ -172,11 +172,6 @@ async def test_config_and_certificates_from_the_control_plane(two_nodes: Mesh) -
     assert m.cp.nacks == []
 
 
-@pytest.mark.xfail(
-    reason="the proxies do not enforce authorization yet (ztunnel.proxy.Proxy is built with allow_all); "
-    "policies do reach the state, see test_client_grpc",
-    strict=True,
-)
 async def test_policy_change_reaches_the_inbound_check(two_nodes: Mesh) -> None:
     m = two_nodes
     await within(1.0, m.write(mesh()), want=True)

@@ -10,7 +10,8 @@ import asyncio
 import logging
 
 from ztunnel.proxy.common import ProxyInputs
-from ztunnel.proxy.inbound import Authorizer, Inbound, allow_all
+from ztunnel.proxy.connection_manager import Authorizer, PolicyWatcher
+from ztunnel.proxy.inbound import Inbound
 from ztunnel.proxy.inbound_passthrough import InboundPassthrough
 from ztunnel.proxy.outbound import Outbound
 from ztunnel.proxy.socks5 import Socks5
@@ -21,8 +22,10 @@ log = logging.getLogger("ztunnel.proxy")
 class Proxy:
     """The listeners of one proxied workload, sharing one pool and one connection manager."""
 
-    def __init__(self, pi: ProxyInputs, authorize: Authorizer = allow_all) -> None:
+    def __init__(self, pi: ProxyInputs) -> None:
         self.pi = pi
+        authorize = Authorizer(pi.state, pi.config.authz_policy_info_logging)
+        self.policy_watcher = PolicyWatcher(pi.state, pi.connections, authorize)
         self.outbound = Outbound(pi)
         self.inbound = Inbound(pi, authorize)
         self.inbound_passthrough = InboundPassthrough(pi, authorize)
@@ -39,6 +42,7 @@ class Proxy:
         except BaseException:
             self.stop_listening()
             raise
+        self.policy_watcher.start()
         log.info(
             "proxy listening: outbound %s, inbound %s, inbound plaintext %s%s",
             _fmt(self.outbound.address),
@@ -54,6 +58,7 @@ class Proxy:
 
     def drain(self) -> None:
         """Stop accepting; ask HBONE peers to move on (GOAWAY); open connections may finish."""
+        self.policy_watcher.stop()
         self.stop_listening()
         self.inbound.drain()
         self.pi.pool.close()

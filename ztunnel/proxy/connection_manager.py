@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.common import ResponseFlag, format_addr
+from ztunnel.rbac import Connection, evaluate
+from ztunnel.state import ProxyState, StateChange
 from ztunnel.state.workload import IPAddress, Workload
 from ztunnel.telemetry import log as log_fields
 
@@ -50,6 +52,10 @@ class ConnectionRecord:
     bytes_recv: Callable[[], int] = field(default=lambda: 0)
     # Closes the connection now (policy change, drain); set by the listener that owns it.
     closer: Callable[[str], None] | None = None
+    # What inbound policy saw (re-checked when policies change); None for outbound connections.
+    rbac: Connection | None = None
+    # Set when ztunnel closed the connection itself: the flag and error the access log reports.
+    forced: tuple[ResponseFlag, str] | None = None
 
     def fields(self) -> dict[str, object]:
         out: dict[str, object] = {"src.addr": format_addr(*self.src)}
@@ -99,6 +105,8 @@ class ConnectionManager:
         """The connection closed: write the access log and tell listeners (metrics)."""
         if self._open.pop(record.id, None) is None:
             return
+        if record.forced is not None:
+            flag, error = record.forced
         for cb in self.on_close:
             cb(record, flag, error)
         fields = record.fields()
@@ -110,6 +118,12 @@ class ConnectionManager:
         else:
             fields["error"] = error
             log_fields(access, logging.ERROR, "connection complete", **fields)
+
+    def close(self, record: ConnectionRecord, flag: ResponseFlag, reason: str) -> None:
+        """Close one connection now; its access log line reports ``flag`` and ``reason``."""
+        record.forced = (flag, reason)
+        if record.closer is not None:
+            record.closer(reason)
 
     def close_all(self, reason: str) -> None:
         for record in list(self._open.values()):
@@ -128,3 +142,63 @@ def log_failed(direction: Direction, src: tuple[IPAddress, int], dst: tuple[IPAd
     fields["direction"] = direction.value
     fields["error"] = error
     log_fields(access, logging.WARNING, "connection failed", **fields)
+
+
+POLICY_CHANGE = "connection closed due to policy change"
+
+
+class Authorizer:
+    """Inbound authorization: the policies that apply to the destination workload, evaluated (``rbac.evaluate``).
+
+    Returns None when allowed, else upstream's reason (``explicitly denied by: ns/name`` or
+    ``allow policies exist, but none allowed``). Decisions log at debug, or info with AUTHZ_POLICY_INFO_LOGGING.
+    """
+
+    def __init__(self, state: ProxyState, info_logging: bool = False) -> None:
+        self.state = state
+        self.level = logging.INFO if info_logging else logging.DEBUG
+        self.log = logging.getLogger("ztunnel.rbac")
+
+    def __call__(self, conn: Connection, workload: Workload) -> str | None:
+        policies = self.state.policies.for_workload(workload.namespace, workload.authorization_policies)
+        if not policies:
+            return None
+        decision = evaluate(policies, conn, self.log, self.level)
+        return None if decision.allowed else decision.reason
+
+
+class PolicyWatcher:
+    """Re-checks every tracked inbound connection when policies change; closes the ones now denied.
+
+    Upstream ``connection_manager.rs::PolicyWatcher``: covers policies that arrive after a connection started too.
+    A state batch is applied synchronously, so the check runs right after it, well within a second.
+    """
+
+    def __init__(self, state: ProxyState, connections: ConnectionManager, authorize: Authorizer) -> None:
+        self.state = state
+        self.connections = connections
+        self.authorize = authorize
+        self._unsubscribe: Callable[[], None] | None = None
+
+    def start(self) -> None:
+        self._unsubscribe = self.state.subscribe(self._changed)
+
+    def stop(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    def _changed(self, change: StateChange) -> None:
+        # A workload's own policy list can change too, so workload batches are re-checked as well.
+        if not (change.policies or change.workloads):
+            return
+        for record in self.connections:
+            if record.rbac is None or record.dst_workload is None:
+                continue
+            workload = self.state.workloads.find_uid(record.dst_workload.uid) or record.dst_workload
+            denied = self.authorize(record.rbac, workload)
+            if denied is not None:
+                logging.getLogger("ztunnel.proxy").info(
+                    "closing connection %s: %s (%s)", record.rbac, POLICY_CHANGE, denied
+                )
+                self.connections.close(record, ResponseFlag.DENY, POLICY_CHANGE)

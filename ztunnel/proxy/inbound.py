@@ -36,7 +36,7 @@ from ztunnel.proxy.common import (
 )
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
 from ztunnel.proxy.hbone.connection import HboneTransport
-from ztunnel.proxy.hbone.core import ConnectRequested, HboneConnection, Settings
+from ztunnel.proxy.hbone.core import ConnectRequested, ErrorCode, HboneConnection, Settings
 from ztunnel.proxy.outbound import connect_plain
 from ztunnel.proxy.relay import HboneStream
 from ztunnel.rbac import Connection
@@ -46,11 +46,8 @@ from ztunnel.state.workload import IPAddress, NamespacedHostname, NetworkAddress
 log = logging.getLogger("ztunnel.proxy.inbound")
 
 # Authorization hook: (connection, destination workload) -> None if allowed, else the denial reason.
-Authorizer = Callable[[Connection, Workload], str | None]
-
-
-def allow_all(conn: Connection, workload: Workload) -> str | None:
-    return None
+# The proxy passes ``connection_manager.Authorizer`` (policy evaluation); there is deliberately no default.
+AuthorizeFn = Callable[[Connection, Workload], str | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +161,7 @@ def _guess_service(pi: ProxyInputs, local: Workload, headers: dict[str, str], po
 class Inbound:
     """The 15008 listener of one proxy."""
 
-    def __init__(self, pi: ProxyInputs, authorize: Authorizer = allow_all) -> None:
+    def __init__(self, pi: ProxyInputs, authorize: AuthorizeFn) -> None:
         self.pi = pi
         self.authorize = authorize
         self.servers: list[asyncio.Server] = []
@@ -278,6 +275,7 @@ class Inbound:
             record.dst_service = req.service
             record.dst = conn_dst
             rbac_conn = Connection(src[0], src[1], req.upstream[0], req.upstream[1], identity, pi.config.network)
+            record.rbac = rbac_conn
             denied = self.authorize(rbac_conn, req.local)
             if denied is not None:
                 raise InboundRejected(401, denied, ResponseFlag.DENY)
@@ -303,7 +301,7 @@ class Inbound:
         conn.flush()
         record.bytes_sent = lambda: stream.bytes_from_plain
         record.bytes_recv = lambda: stream.bytes_to_plain
-        record.closer = lambda reason: stream.reset()
+        record.closer = lambda reason: stream.reset(ErrorCode.CANCEL)
         pi.connections.register(record)
         stream._on_done = lambda s: pi.connections.release(record, ResponseFlag.NONE, s.error)
         stream.attach(upstream)

@@ -13,7 +13,7 @@ import socket
 
 from ztunnel.proxy.common import ProxyError, ProxyInputs, ResponseFlag
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
-from ztunnel.proxy.inbound import Authorizer, allow_all
+from ztunnel.proxy.inbound import AuthorizeFn
 from ztunnel.proxy.outbound import connect_plain
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.rbac import Connection
@@ -26,7 +26,7 @@ log = logging.getLogger("ztunnel.proxy.inbound_passthrough")
 class InboundPassthrough:
     """The 15006 listener of one proxy."""
 
-    def __init__(self, pi: ProxyInputs, authorize: Authorizer = allow_all) -> None:
+    def __init__(self, pi: ProxyInputs, authorize: AuthorizeFn) -> None:
         self.pi = pi
         self.authorize = authorize
         self.servers: list[asyncio.Server] = []
@@ -77,7 +77,8 @@ class InboundPassthrough:
             src_workload=pi.state.workloads.find_address(NetworkAddress(pi.config.network, src[0])),
             dst_workload=local,
         )
-        denied = self.authorize(Connection(src[0], src[1], dst[0], dst[1], None, pi.config.network), local)
+        record.rbac = Connection(src[0], src[1], dst[0], dst[1], None, pi.config.network)
+        denied = self.authorize(record.rbac, local)
         if denied is not None:
             plain.close()
             pi.connections.register(record)

@@ -23,6 +23,7 @@ import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from ipaddress import ip_address
 
 from ztunnel import baggage
 from ztunnel.identity.spiffe import Identity
@@ -41,7 +42,16 @@ from ztunnel.proxy.common import (
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
 from ztunnel.proxy.pool import WorkloadKey
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
-from ztunnel.sockets import family_of, local_dst, original_dst, peer_addr, set_accepted_options, sockaddr
+from ztunnel.sockets import (
+    family_of,
+    local_dst,
+    original_dst,
+    peer_addr,
+    set_accepted_options,
+    set_freebind,
+    set_transparent,
+    sockaddr,
+)
 from ztunnel.state import ProxyState
 from ztunnel.state.service import LoadBalancerMode
 from ztunnel.state.upstream import (
@@ -343,14 +353,17 @@ async def connect_plain(
 ) -> PlainConnection:
     """A plaintext TCP connection to ``dst`` (10 s timeout), optionally from a spoofed source IP."""
     loop = asyncio.get_running_loop()
-    sock = pi.sockets.tcp(family_of(dst[0]))
+    sock = pi.sockets.tcp(family_of(dst[0]), bind_source=bind_src is None)
     try:
         if bind_src is not None:
-            from ztunnel.sockets import set_freebind, set_transparent
-
             if transparent and set_transparent(sock):
+                # Spoof the client's address toward the app, so it sees who really called (IP_TRANSPARENT).
                 set_freebind(sock)
                 sock.bind(sockaddr(bind_src, 0))
+            elif (
+                pi.sockets.cfg.source_ip is not None and family_of(ip_address(pi.sockets.cfg.source_ip)) == sock.family
+            ):
+                sock.bind((pi.sockets.cfg.source_ip, 0))
         async with asyncio.timeout(CONNECTION_TIMEOUT):
             await loop.sock_connect(sock, sockaddr(*dst))
         upstream = PlainConnection()

@@ -30,6 +30,20 @@ class PolicyStore:
         """Namespace-scoped policies of ``namespace`` (``""`` gives the global ones)."""
         return self._by_namespace.get(namespace, {})
 
+    def for_workload(self, namespace: str, workload_policies: tuple[str, ...]) -> list[Authorization]:
+        """Policies that apply to a workload: its namespace's, the global ones, and those it names.
+
+        A named policy not (yet) known is skipped, as upstream does while the control plane catches up.
+        """
+        out = list(self._by_namespace.get(namespace, {}).values())
+        if namespace:
+            out.extend(self._by_namespace.get("", {}).values())
+        for key in workload_policies:
+            p = self.by_key.get(key)
+            if p is not None:
+                out.append(p)
+        return out
+
     def insert(self, policy: Authorization) -> Authorization | None:
         old = self.remove(policy.key)
         self.by_key[policy.key] = policy

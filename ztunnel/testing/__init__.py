@@ -14,7 +14,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import IO
 
@@ -243,3 +243,40 @@ async def hbone_request(
     conn.flush()
     status, _ = await asyncio.wait_for(stream.response, 10)
     return status, stream
+
+
+class TwoNodeMesh:
+    """``examples/two-node.yaml`` moved to a random block of 127/8, so tests never collide with each other (or with
+    a demo or benchmark holding the example's fixed addresses). ``edit`` may rewrite the YAML text first."""
+
+    def __init__(self, workdir: Path, edit: Callable[[str], str] | None = None) -> None:
+        import random
+
+        n, k = random.randrange(64, 250), random.randrange(0, 50) * 5
+        self.node_a = f"127.{n}.{k + 1}.1"
+        self.node_b = f"127.{n}.{k + 2}.1"
+        self.plain = f"127.{n}.{k + 3}.1"
+        self.vip = (f"127.{n}.{k + 4}.10", SERVICE_VIP[1])
+        self.server_app = (self.node_b, SERVER_APP[1])
+        text = TWO_NODE.read_text()
+        for old, new in ((NODE_A_IP, self.node_a), (NODE_B_IP, self.node_b), ("127.0.3.1", self.plain)):
+            text = text.replace(old, new)
+        text = text.replace(SERVICE_VIP[0], self.vip[0])
+        if edit is not None:
+            text = edit(text)
+        self.workdir = workdir
+        self.ca_dir = workdir / "ca"
+        self.config = workdir / "two-node.yaml"
+        self.config.write_text(text)
+
+    def env_a(self, workload: str = "default/client/client", **extra: str) -> dict[str, str]:
+        return node_env("node-a", self.node_a, workload, self.ca_dir, self.config, **extra)
+
+    def env_b(self, workload: str = "default/server/server", **extra: str) -> dict[str, str]:
+        return node_env("node-b", self.node_b, workload, self.ca_dir, self.config, **extra)
+
+    async def socks5(
+        self, host: str | None = None, port: int | None = None
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A connection from node A's workload to ``host:port`` (default: the echo service VIP) via SOCKS5."""
+        return await socks5_connect((self.node_a, 15080), host or self.vip[0], port or self.vip[1])
