@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -208,7 +209,7 @@ _conns = st.builds(
 
 @settings(max_examples=300, deadline=None)
 @given(_policies, _conns, _rules)
-def test_adding_deny_never_allows_more(policies: list[Authorization], c: Connection, rules: tuple) -> None:
+def test_adding_deny_never_allows_more(policies: list[Authorization], c: Connection, rules: tuple[Any, ...]) -> None:
     before = evaluate(policies, c).allowed
     after = evaluate([*policies, Authorization("new", "ns", Scope.NAMESPACE, Action.DENY, rules)], c).allowed
     assert not (not before and after)
@@ -229,7 +230,7 @@ def test_adding_allow_to_a_set_with_allows_never_denies_more(
 @settings(max_examples=300, deadline=None)
 @given(_policies, _conns, _rules, st.sampled_from(list(Action)))
 def test_dry_run_policy_never_changes_the_decision(
-    policies: list[Authorization], c: Connection, rules: tuple, action: Action
+    policies: list[Authorization], c: Connection, rules: tuple[Any, ...], action: Action
 ) -> None:
     dry = Authorization("dry", "ns", Scope.NAMESPACE, action, rules, dry_run=True)
     assert evaluate([*policies, dry], c) == evaluate(policies, c)
