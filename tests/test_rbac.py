@@ -218,7 +218,7 @@ def test_adding_deny_never_allows_more(policies: list[Authorization], c: Connect
 @settings(max_examples=300, deadline=None)
 @given(_policies, _conns, _rules)
 def test_adding_allow_to_a_set_with_allows_never_denies_more(
-    policies: list[Authorization], c: Connection, rules: tuple
+    policies: list[Authorization], c: Connection, rules: tuple[Any, ...]
 ) -> None:
     if not any(p.action is Action.ALLOW and not p.dry_run for p in policies):
         return
