@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test lint typecheck unit demo bench protos clean
+.PHONY: test lint typecheck unit demo bench protos lock clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ bench: $(STAMP)
 
 protos: $(STAMP)
 	$(PY) -m xds.generate
+
+# Regenerate the image's pinned runtime dependencies after changing [project].dependencies.
+lock: $(STAMP)
+	$(PY) -m tests.packaging.lock > charts/image/requirements.lock
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

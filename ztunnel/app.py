@@ -7,20 +7,28 @@ listeners once state is ready; one :class:`~ztunnel.drain.Drain` shuts everythin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Sample
+
+from ztunnel.admin import AdminServer
 from ztunnel.config import Config, ProxyMode
 from ztunnel.drain import Drain, DrainMode
 from ztunnel.identity.ca import CaError, LocalCA
-from ztunnel.identity.manager import CertificateProvider, LocalCertificateProvider
+from ztunnel.identity.manager import CertificateProvider
 from ztunnel.localconfig import LocalConfig, load_local_config, parse_local_config
+from ztunnel.metrics import Registry, StatsServer
 from ztunnel.proxy import Proxy
 from ztunnel.proxy.common import LocalWorkload, ProxyInputs, TlsContextCache
-from ztunnel.proxy.connection_manager import ConnectionManager
+from ztunnel.proxy.connection_manager import ConnectionManager, ConnectionRecord
+from ztunnel.proxy.metrics import TrafficMetrics, flush_periodically
 from ztunnel.proxy.pool import WorkloadHBONEPool
 from ztunnel.readiness import Readiness, ReadinessServer
 from ztunnel.sockets import SocketConfig, SocketFactory
@@ -47,14 +55,26 @@ class App:
     certs: CertificateProvider | None = None
     proxy: Proxy | None = None
     readiness_server: ReadinessServer | None = None
+    stats_server: StatsServer | None = None
+    admin_server: AdminServer | None = None
+    registry: Registry = field(default_factory=Registry)
+    xds_client: Any = None
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    _waiting: bool = False
+
+    def __post_init__(self) -> None:
+        self.registry = Registry(self.config.istio_version)
+        self.traffic = TrafficMetrics(self.registry)
+        self.registry.dynamic.append(self._xds_metrics)
 
     async def start(self) -> None:
         """Load state and start every component. Raises :class:`StartupError` with a clear message."""
         state_ready = self.readiness.register("state manager")
         self.readiness_server = ReadinessServer(self.readiness)
-        addr = self.config.readiness_addr
-        await self.readiness_server.start("localhost" if addr.is_localhost else addr.host, addr.port)
+        await self.readiness_server.start(self.config.readiness_addr)
+        self.stats_server = StatsServer(self.registry)
+        await self.stats_server.start(self.config.stats_addr)
         if self.local_config is not None:
             self.state.apply(self.local_config.update)
             log.info(
@@ -82,6 +102,7 @@ class App:
             except ControlPlaneError as e:
                 raise StartupError(str(e)) from None
             log.info("connecting to xDS server %s", self.config.xds_address)
+            self.xds_client = client
             self.tasks.spawn(client.run(), "xds client")
         self.certs = self._certificate_provider()
         if self.config.proxy_mode is ProxyMode.DEDICATED and self.config.enable_proxy:
@@ -94,6 +115,50 @@ class App:
                 "PROXY_MODE=shared (in-pod, driven by istio-cni over ZDS) is not available in this build yet; "
                 "use PROXY_MODE=dedicated with PROXY_WORKLOAD_INFO"
             )
+        await self._start_admin()
+
+    async def _start_admin(self) -> None:
+        cfg = self.config
+        certs = self.certs
+        states = getattr(certs, "states", None)
+
+        async def quit_() -> None:
+            # Upstream answers once the drain finished, or after the termination deadline at the latest.
+            self.shutdown()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.stopped.wait()), cfg.self_termination_deadline + 1)
+
+        self.admin_server = AdminServer(
+            cfg,
+            self.state,
+            certificates=states if callable(states) else dict,
+            connections=self._connections,
+            shutdown=quit_,
+            static_config=lambda: dict(self.local_config.raw) if self.local_config is not None else None,
+        )
+        await self.admin_server.start(cfg.admin_addr)
+
+    def _connections(self) -> list[ConnectionRecord]:
+        return list(self.proxy.pi.connections) if self.proxy is not None else []
+
+    def _xds_metrics(self) -> list[Metric]:
+        """``istio_xds_*`` from the ADS client's counters, computed at scrape time."""
+        client = self.xds_client
+        if client is None:
+            return []
+        term = Metric(
+            "istio_xds_connection_terminations",
+            "The total number of completed connections to xds server (unstable)",
+            "counter",
+        )
+        for reason, n in client.terminations.items():
+            term.samples.append(Sample("istio_xds_connection_terminations_total", {"reason": reason.value}, float(n)))
+        msgs = Metric("istio_xds_message", "Total number of messages received (unstable)", "counter")
+        size = Metric("istio_xds_message_bytes", "Total number of bytes received (unstable)", "counter", "bytes")
+        for url, (count, nbytes) in getattr(client, "messages", {}).items():
+            msgs.samples.append(Sample("istio_xds_message_total", {"url": url}, float(count)))
+            size.samples.append(Sample("istio_xds_message_bytes_total", {"url": url}, float(nbytes)))
+        return [term, msgs, size]
 
     def _certificate_provider(self) -> CertificateProvider:
         cfg = self.config
@@ -126,7 +191,13 @@ class App:
             ca = LocalCA.load_or_create(Path(cfg.ca_dir), cfg.trust_domain)
         except (CaError, OSError) as e:
             raise StartupError(f"local CA in {cfg.ca_dir}: {e}") from None
-        return LocalCertificateProvider(ca, timedelta(seconds=cfg.secret_ttl))
+        from ztunnel.cert_fetcher import CertFetcher
+        from ztunnel.identity.manager import LocalCaClient, SecretManager
+
+        local_manager = SecretManager(LocalCaClient(ca, timedelta(seconds=cfg.secret_ttl)), tasks=self.tasks)
+        if cfg.proxy_mode is ProxyMode.SHARED and cfg.node_name:
+            CertFetcher(self.state, local_manager, cfg.node_name)
+        return local_manager
 
     def _dedicated_proxy(self) -> Proxy:
         cfg = self.config
@@ -142,8 +213,9 @@ class App:
             drain=self.drain,
             contexts=contexts,
             pool=WorkloadHBONEPool(cfg, self.certs, sockets, contexts),
-            connections=ConnectionManager(),
+            connections=ConnectionManager(self.traffic),
         )
+        self.tasks.spawn(flush_periodically(pi.connections, self.traffic), "metrics flush")
         return Proxy(pi)
 
     def shutdown(self, mode: DrainMode = DrainMode.GRACEFUL) -> None:
@@ -152,7 +224,12 @@ class App:
         self.drain.start(mode)
 
     async def wait(self) -> None:
-        """Run until a drain starts, then give connections until the deadline and stop."""
+        """Run until a drain starts, then give connections until the deadline and stop (once; later calls just
+        wait for that)."""
+        if self._waiting:
+            await self.stopped.wait()
+            return
+        self._waiting = True
         await self.drain.wait_started()
         deadline = 0.0 if self.drain.forced else self.config.self_termination_deadline
         proxy = self.proxy
@@ -164,9 +241,13 @@ class App:
                 proxy.force_close("drain deadline expired")
             await proxy.pi.tasks.cancel_all(timeout=1.0)
         await self.tasks.cancel_all(timeout=1.0)
-        if self.readiness_server is not None:
-            await self.readiness_server.stop()
+        for server in (self.readiness_server, self.stats_server):
+            if server is not None:
+                await server.stop()
+        # Set before stopping the admin server: a /quitquitquit being answered waits for it, then completes.
         self.stopped.set()
+        if self.admin_server is not None:
+            await self.admin_server.stop()
         log.info("shutdown complete")
 
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ztunnel.config import SocketAddress
+from ztunnel.http import HttpServer
+
 
 class Readiness:
     def __init__(self) -> None:
@@ -54,10 +57,13 @@ class ReadinessServer:
 
     def __init__(self, readiness: Readiness) -> None:
         self.readiness = readiness
-        self._runner: object | None = None
-        self.address: tuple[str, int] | None = None
+        self._http: HttpServer | None = None
 
-    async def start(self, host: str, port: int) -> None:
+    @property
+    def address(self) -> tuple[str, int] | None:
+        return self._http.address if self._http is not None else None
+
+    async def start(self, addr: SocketAddress) -> None:
         from aiohttp import web
 
         async def ready(request: web.Request) -> web.Response:
@@ -72,19 +78,9 @@ class ReadinessServer:
 
         app = web.Application()
         app.router.add_route("*", "/healthz/ready", ready)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, host=host, port=port, reuse_address=True)
-        await site.start()
-        self._runner = runner
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        if sockets:
-            h, p = sockets[0].getsockname()[:2]
-            self.address = (str(h), int(p))
+        self._http = HttpServer(app)
+        await self._http.start(addr)
 
     async def stop(self) -> None:
-        from aiohttp import web
-
-        if isinstance(self._runner, web.AppRunner):
-            await self._runner.cleanup()
+        if self._http is not None:
+            await self._http.stop()

@@ -218,3 +218,60 @@ class SocketFactory:
             sock.close()
             raise
         return sock, is_transparent
+
+    def udp(self, family: socket.AddressFamily) -> socket.socket:
+        """An unbound, non-blocking UDP socket for an outbound datagram exchange (the DNS proxy's upstream queries).
+
+        Marked like every other pod socket, so the pod's DNS capture rule (``--dport 53 ! --mark``) lets it out.
+        """
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            sock.setblocking(False)
+            set_mark(sock, self.cfg.mark)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def udp_listeners(self, addr: SocketAddress, *, reuse_port: bool = False, ipv6: bool = True) -> list[socket.socket]:
+        """Bound UDP sockets for ``addr`` (the DNS proxy). ``localhost`` gives 127.0.0.1 and, if it exists, ::1.
+
+        No ``SO_REUSEADDR``: on UDP it would let a second process silently share the port.
+        """
+        hosts = [addr.host]
+        if addr.is_localhost:
+            hosts = ["127.0.0.1", "::1"] if ipv6 and socket.has_ipv6 else ["127.0.0.1"]
+        out: list[socket.socket] = []
+        port = addr.port
+        try:
+            for host in hosts:
+                ip = ipaddress.ip_address(host)
+                try:
+                    out.append(self._udp_listener(ip, port, reuse_port=reuse_port))
+                except OSError:
+                    if host == "::1" and addr.is_localhost:
+                        continue  # IPv6 disabled on loopback: v4 only, as upstream
+                    raise
+                if port == 0 and addr.is_localhost:
+                    port = out[0].getsockname()[1]
+        except BaseException:
+            for s in out:
+                s.close()
+            raise
+        return out
+
+    def _udp_listener(self, ip: IPAddress, port: int, *, reuse_port: bool) -> socket.socket:
+        family = family_of(ip)
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if ip == ipaddress.IPv6Address("::") else 1)
+            set_mark(sock, self.cfg.mark)
+            sock.bind(sockaddr(ip, port))
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        return sock

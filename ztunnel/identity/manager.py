@@ -166,6 +166,19 @@ class CaClientProtocol(Protocol):
         ...
 
 
+class LocalCaClient:
+    """A CA "client" that signs with a :class:`LocalCA` in-process: ``FAKE_CA=true`` behind the same
+    :class:`SecretManager` as the Istio CA, so refresh, priorities and the admin view behave identically
+    (upstream wraps its mock CA the same way)."""
+
+    def __init__(self, ca: LocalCA, ttl: timedelta = DEFAULT_CERT_TTL) -> None:
+        self.ca = ca
+        self.ttl = ttl
+
+    async def fetch_certificate(self, identity: Identity) -> WorkloadCertificate:
+        return self.ca.issue(identity, self.ttl)
+
+
 # Upstream's retry schedule after a failed fetch (``backoff`` crate settings in ``manager.rs``).
 BACKOFF_INITIAL = 1.0
 BACKOFF_MULTIPLIER = 2.0

@@ -16,9 +16,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ztunnel.identity.spiffe import Identity
+from ztunnel.metrics import Labels
 from ztunnel.proxy.common import ResponseFlag, format_addr
+from ztunnel.proxy.metrics import ConnectionMetrics, DerivedWorkload, TrafficMetrics, traffic_labels
 from ztunnel.rbac import Connection, evaluate
 from ztunnel.state import ProxyState, StateChange
+from ztunnel.state.upstream import ServiceDescription
 from ztunnel.state.workload import IPAddress, Workload
 from ztunnel.telemetry import log as log_fields
 
@@ -42,7 +45,8 @@ class ConnectionRecord:
     dst_identity: Identity | None = None
     src_workload: Workload | None = None
     dst_workload: Workload | None = None
-    dst_service: str | None = None
+    dst_service: ServiceDescription | None = None
+    derived_source: DerivedWorkload | None = None
     mtls: bool = False
     policy: str = ""
     started: float = field(default_factory=time.monotonic)
@@ -56,34 +60,63 @@ class ConnectionRecord:
     rbac: Connection | None = None
     # Set when ztunnel closed the connection itself: the flag and error the access log reports.
     forced: tuple[ResponseFlag, str] | None = None
+    metrics: ConnectionMetrics | None = None
+
+    @property
+    def reporter(self) -> str:
+        return "source" if self.direction is Direction.OUTBOUND else "destination"
 
     def fields(self) -> dict[str, object]:
+        """Upstream's access-log fields, in its order (``proxy/metrics.rs``)."""
+        src, dst, derived = self.src_workload, self.dst_workload, self.derived_source
         out: dict[str, object] = {"src.addr": format_addr(*self.src)}
-        if self.src_workload is not None:
-            out["src.workload"] = self.src_workload.name
-            out["src.namespace"] = self.src_workload.namespace
-        if self.src_identity is not None:
+        # Workload name, else the canonical service (upstream's fallback), else what baggage said.
+        src_name = (src.name or src.canonical_name) if src is not None else (derived.workload_name if derived else None)
+        if src_name:
+            out["src.workload"] = src_name
+        src_ns = src.namespace if src is not None else (derived.namespace if derived else None)
+        if src_ns:
+            out["src.namespace"] = src_ns
+        if self.mtls and self.src_identity is not None:
             out["src.identity"] = str(self.src_identity)
+        src_cluster = src.cluster_id if src is not None else (derived.cluster_id if derived else None)
+        if src_cluster:
+            out["src.cluster"] = src_cluster
         out["dst.addr"] = format_addr(*self.dst)
         if self.hbone_target is not None:
             out["dst.hbone_addr"] = self.hbone_target
         if self.dst_service is not None:
-            out["dst.service"] = self.dst_service
-        if self.dst_workload is not None:
-            out["dst.workload"] = self.dst_workload.name
-            out["dst.namespace"] = self.dst_workload.namespace
-        if self.dst_identity is not None:
+            out["dst.service"] = self.dst_service.hostname
+        if dst is not None:
+            out["dst.workload"] = dst.name or dst.canonical_name
+            out["dst.namespace"] = dst.namespace
+        if self.mtls and self.dst_identity is not None:
             out["dst.identity"] = str(self.dst_identity)
+        if dst is not None and dst.cluster_id:
+            out["dst.cluster"] = dst.cluster_id
         out["direction"] = self.direction.value
         return out
 
+    def labels(self, flag: ResponseFlag = ResponseFlag.NONE) -> Labels:
+        svc = self.dst_service
+        return traffic_labels(
+            self.reporter,
+            self.src_workload,
+            self.derived_source,
+            self.dst_workload,
+            (svc.hostname, svc.name, svc.namespace) if svc is not None else None,
+            self.mtls,
+            flag,
+        )
+
 
 class ConnectionManager:
-    """The set of open connections of one proxy."""
+    """The set of open connections of one proxy; counts them in the Istio TCP metrics when given them."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: TrafficMetrics | None = None) -> None:
         self._open: dict[int, ConnectionRecord] = {}
         self._ids = itertools.count(1)
+        self.traffic = metrics
         self.on_close: list[Callable[[ConnectionRecord, ResponseFlag, str | None], None]] = []
 
     def __len__(self) -> int:
@@ -95,6 +128,8 @@ class ConnectionManager:
     def register(self, record: ConnectionRecord) -> ConnectionRecord:
         record.id = next(self._ids)
         self._open[record.id] = record
+        if self.traffic is not None:
+            record.metrics = self.traffic.open(record.labels())
         if access.isEnabledFor(logging.DEBUG):
             log_fields(access, logging.DEBUG, "connection opened", **record.fields())
         return record
@@ -107,11 +142,16 @@ class ConnectionManager:
             return
         if record.forced is not None:
             flag, error = record.forced
+        sent, received = record.bytes_sent(), record.bytes_recv()
+        if self.traffic is not None and record.metrics is not None:
+            self.traffic.close(record.metrics, sent, received, flag)
         for cb in self.on_close:
             cb(record, flag, error)
         fields = record.fields()
-        fields["bytes_sent"] = record.bytes_sent()
-        fields["bytes_recv"] = record.bytes_recv()
+        # Metrics count client->server as "received" for both reporters (istio/istio#32399); the log does not.
+        outbound = record.direction is Direction.OUTBOUND
+        fields["bytes_sent"] = received if outbound else sent
+        fields["bytes_recv"] = sent if outbound else received
         fields["duration"] = f"{int((time.monotonic() - record.started) * 1000)}ms"
         if error is None:
             log_fields(access, logging.INFO, "connection complete", **fields)

@@ -37,10 +37,12 @@ from ztunnel.proxy.common import (
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
 from ztunnel.proxy.hbone.connection import HboneTransport
 from ztunnel.proxy.hbone.core import ConnectRequested, ErrorCode, HboneConnection, Settings
+from ztunnel.proxy.metrics import DerivedWorkload
 from ztunnel.proxy.outbound import connect_plain
 from ztunnel.proxy.relay import HboneStream
 from ztunnel.rbac import Connection
 from ztunnel.sockets import local_dst, peer_addr
+from ztunnel.state.upstream import ServiceDescription
 from ztunnel.state.workload import IPAddress, NamespacedHostname, NetworkAddress, Workload
 
 log = logging.getLogger("ztunnel.proxy.inbound")
@@ -56,7 +58,7 @@ class InboundRequest:
 
     upstream: tuple[IPAddress, int]
     local: Workload
-    service: str | None
+    service: ServiceDescription | None
 
 
 class InboundRejected(Exception):
@@ -96,7 +98,7 @@ def build_inbound_request(
     if local is None:
         raise InboundRejected(503, f"unknown local workload {pi.local.info}")
     host, port = target
-    service: str | None = None
+    service: ServiceDescription | None = None
     if isinstance(host, str):
         # A service hostname (double HBONE / waypoints): map the service port to the workload's target port.
         svc = pi.state.find_service_by_hostname(host, local.namespace)
@@ -109,7 +111,7 @@ def build_inbound_request(
         if not mapped:
             raise InboundRejected(503, f"no port mapping for {svc.hostname}:{port} on workload {local.name}")
         port = mapped
-        service = svc.hostname
+        service = ServiceDescription.of(svc)
     elif host != conn_dst and not _may_redirect(pi, local, host):
         raise InboundRejected(400, f"ip mismatch: {host} != {conn_dst}")
     if local.application_tunnel is not None and local.application_tunnel.port:
@@ -144,17 +146,20 @@ def _naddr(pi: ProxyInputs, ip: IPAddress) -> NetworkAddress:
     return NetworkAddress(pi.config.network, ip)
 
 
-def _guess_service(pi: ProxyInputs, local: Workload, headers: dict[str, str], port: int) -> str | None:
-    """``destination_service`` for telemetry: the ``forwarded`` host, else a service of ours with that target port."""
+def _guess_service(pi: ProxyInputs, local: Workload, headers: dict[str, str], port: int) -> ServiceDescription | None:
+    """``destination_service`` for telemetry: the ``forwarded`` host, else a service of ours with that target port
+    (upstream ``proxy.rs::guess_inbound_service``)."""
     fwd = headers.get(FORWARDED_HEADER, "")
     for part in fwd.split(";"):
         k, _, v = part.strip().partition("=")
         if k.lower() == "host" and v:
-            return v.strip('"')
+            host = v.strip('"')
+            svc = pi.state.find_service_by_hostname(host, local.namespace)
+            return ServiceDescription.of(svc) if svc is not None else ServiceDescription(host, "", "")
     for key in local.services:
         svc = pi.state.services.get(key)
         if svc is not None and port in svc.ports.values():
-            return svc.hostname
+            return ServiceDescription.of(svc)
     return None
 
 
@@ -268,6 +273,14 @@ class Inbound:
             mtls=True,
         )
         record.src_workload = pi.state.workloads.find_address(_naddr(pi, src[0]))
+        # As upstream: the peer's mTLS identity always, plus what its baggage says when enhanced baggage is on;
+        # an xDS-known source workload (by IP) overrides the workload fields, never the principal.
+        bag = (
+            baggage.parse(ev.headers.get(BAGGAGE_HEADER, ""))
+            if pi.config.enable_response_baggage
+            else baggage.Baggage()
+        )
+        record.derived_source = DerivedWorkload.from_baggage(bag, identity)
         try:
             req = build_inbound_request(pi, ev.method, ev.authority, conn_dst[0], ev.headers)
             record.dst_workload = req.local

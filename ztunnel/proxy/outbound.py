@@ -59,6 +59,7 @@ from ztunnel.state.upstream import (
     Upstream,
     UpstreamError,
     fetch_upstream,
+    gateway_workloads,
     service_waypoint,
     workload_waypoint,
 )
@@ -113,7 +114,7 @@ def build_request(
             # Not in the mesh (or a passthrough service): plain TCP to where the client was going.
             return Request(OutboundProtocol.TCP, source, target, None, None, None, ())
         _same_network(us, source)
-        if service is None and not _from_waypoint(state, us.workload, source, downstream, rng):
+        if service is None and not _from_waypoint(state, us.workload, source, downstream):
             wp = workload_waypoint(state, us.workload, source, ip, rng)
             if wp is not None:
                 return _to_gateway(wp, source, target, us.destination_service, hbone_port)
@@ -176,17 +177,14 @@ def _to_gateway(
     )
 
 
-def _from_waypoint(
-    state: ProxyState, dst: Workload, source: Workload, downstream: IPAddress, rng: random.Random
-) -> bool:
-    """Traffic from the destination's own waypoint (sandwich) must not be sent back to it."""
+def _from_waypoint(state: ProxyState, dst: Workload, source: Workload, downstream: IPAddress) -> bool:
+    """Traffic from the destination's own waypoint (sandwich) must not be sent back to it (upstream
+    ``check_from_waypoint``): the source has the identity and one of the IPs of *any* of the waypoint's workloads."""
     if dst.waypoint is None:
         return False
-    try:
-        wp = workload_waypoint(state, dst, source, downstream, rng)
-    except UpstreamError:
-        return False
-    return wp is not None and wp.workload.identity == source.identity and downstream in wp.workload.workload_ips
+    return any(
+        w.identity == source.identity and downstream in w.workload_ips for w in gateway_workloads(state, dst.waypoint)
+    )
 
 
 def hbone_headers(req: Request, src: tuple[IPAddress, int]) -> list[tuple[str, str]]:
@@ -264,7 +262,7 @@ class Outbound:
                 dst_identity=dst_wl.identity if dst_wl is not None and hbone else None,
                 src_workload=source,
                 dst_workload=dst_wl,
-                dst_service=req.intended_destination_service.hostname if req.intended_destination_service else None,
+                dst_service=req.intended_destination_service,
                 mtls=hbone,
             )
             if hbone:

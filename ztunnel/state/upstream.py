@@ -178,11 +178,13 @@ def load_balance(
             return None
         best = max(r for r, _, _ in ranked)
         candidates = [(ep, wl) for r, ep, wl in ranked if r == best]
-    if not candidates:
+    weights = [max(wl.capacity, 0) for _, wl in candidates]
+    if not sum(weights):
+        # No candidates, or all of capacity 0: upstream's choose_weighted fails, so there is no upstream.
         return None
     if len(candidates) == 1:
         return candidates[0]
-    return rng.choices(candidates, weights=[max(wl.capacity, 0) for _, wl in candidates])[0]
+    return rng.choices(candidates, weights=weights)[0]
 
 
 def pick_workload_ip(dst: Workload, original_ip: IPAddress, family: IpFamily | None) -> tuple[IPAddress | None, bool]:
@@ -253,6 +255,27 @@ def fetch_gateway(
     if up is None:
         raise UpstreamError(f"{what} {_gw_str(gw)} not found")
     return up
+
+
+def gateway_workloads(state: ProxyState, gw: GatewayAddress) -> list[Workload]:
+    """Every workload that makes up a waypoint/gateway (upstream ``check_gateway_address``): the workload at its
+    address, else the endpoints of the service at that address or hostname, else the workload with that hostname."""
+    dest = gw.destination
+    svc: Service | None
+    if isinstance(dest, NetworkAddress):
+        wl = state.workloads.find_address(dest)
+        if wl is not None:
+            return [wl]
+        svc = state.services.get_best_by_vip(dest, None)
+    else:
+        svc = state.services.get(dest)
+        if svc is None:
+            wl = _workload_by_hostname(state, dest)
+            return [wl] if wl is not None else []
+    if svc is None:
+        return []
+    found = (state.workloads.find_uid(ep.workload_uid) for ep in svc.endpoints.values())
+    return [w for w in found if w is not None]
 
 
 def _workload_by_hostname(state: ProxyState, host: NamespacedHostname) -> Workload | None:

@@ -53,6 +53,7 @@ def node_env(
         "ZTUNNEL_ADMIN_ADDR": f"{ip}:15000",
         "ZTUNNEL_STATS_ADDR": f"{ip}:15020",
         "ZTUNNEL_READINESS_ADDR": f"{ip}:15021",
+        "ISTIO_META_DNS_PROXY_ADDR": f"{ip}:15053",  # the DNS proxy; the default (localhost) would clash
         "UNSTABLE_ENABLE_SOCKS5": "true",
     }
     env.update(extra)

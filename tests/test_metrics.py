@@ -1,0 +1,182 @@
+"""Istio metrics after real traffic through two ztunnels, parsed with prometheus-client's parser."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ztunnel.testing import EchoServer, TwoNodeMesh, running_app
+
+STABLE = {
+    "istio_build",
+    "istio_tcp_connections_opened",
+    "istio_tcp_connections_closed",
+    "istio_tcp_received_bytes",
+    "istio_tcp_sent_bytes",
+    "process_open_fds",
+    "process_max_fds",
+}
+LABEL_ORDER = [
+    "reporter",
+    "source_workload",
+    "source_canonical_service",
+    "source_canonical_revision",
+    "source_workload_namespace",
+    "source_principal",
+    "source_app",
+    "source_version",
+    "source_cluster",
+    "destination_service",
+    "destination_service_namespace",
+    "destination_service_name",
+    "destination_workload",
+    "destination_canonical_service",
+    "destination_canonical_revision",
+    "destination_workload_namespace",
+    "destination_principal",
+    "destination_app",
+    "destination_version",
+    "destination_cluster",
+    "request_protocol",
+    "response_flags",
+    "connection_security_policy",
+    "source_region",
+    "source_zone",
+    "destination_region",
+    "destination_zone",
+]
+
+
+def scrape(host: str, path: str = "/metrics", headers: dict[str, str] | None = None) -> tuple[str, dict[str, str]]:
+    req = urllib.request.Request(f"http://{host}:15020{path}", headers=headers or {})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        body = resp.read()
+        hdrs = dict(resp.headers)
+    if hdrs.get("Content-Encoding") == "gzip":
+        body = gzip.decompress(body)
+    return body.decode(), hdrs
+
+
+def samples(text: str) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {}
+    for fam in text_string_to_metric_families(text):
+        out.setdefault(fam.name, []).extend(fam.samples)
+        out.setdefault("#help:" + fam.name, []).append(fam.documentation)
+    return out
+
+
+@pytest.fixture
+async def traffic(tmp_path: Path) -> AsyncIterator[tuple[TwoNodeMesh, int, int]]:
+    m = TwoNodeMesh(tmp_path)
+    echo = await EchoServer().start(*m.server_app)
+    outside = await EchoServer().start(m.plain, 7000)  # "plain" is a TCP (non-mesh) workload
+    async with running_app(m.env_a()), running_app(m.env_b()):
+        # HBONE: 300,000 bytes client->server, echoed back.
+        reader, writer = await m.socks5()
+        writer.write(b"x" * 300_000)
+        writer.write_eof()
+        got = len(await asyncio.wait_for(reader.read(), 10))
+        writer.close()
+        # Passthrough (TCP, no HBONE): 1,000 bytes.
+        reader, writer = await m.socks5(m.plain, 7000)
+        writer.write(b"y" * 1000)
+        writer.write_eof()
+        await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        await asyncio.sleep(0.2)  # both ends close and release
+        yield m, 300_000, got
+    await echo.stop()
+    await outside.stop()
+
+
+async def test_tcp_metrics_on_both_reporters(traffic: tuple[TwoNodeMesh, int, int]) -> None:
+    m, sent, echoed = traffic
+    assert echoed == sent
+    a = samples((await asyncio.to_thread(scrape, m.node_a))[0])
+    b = samples((await asyncio.to_thread(scrape, m.node_b))[0])
+    for name in ("istio_tcp_connections_opened", "istio_tcp_connections_closed"):
+        # prometheus-client's parser names counter samples with _total
+        assert name in a and name in b
+    a_opened = [s for s in a["istio_tcp_connections_opened"] if s.labels["connection_security_policy"] == "mutual_tls"]
+    b_opened = a_opened and [s for s in b["istio_tcp_connections_opened"]]
+    assert len(a_opened) == 1 and a_opened[0].value == 1
+    la = a_opened[0].labels
+    assert list(la) == LABEL_ORDER
+    assert la["reporter"] == "source"
+    assert la["source_workload"] == "client" and la["source_workload_namespace"] == "default"
+    assert la["source_principal"] == "unknown"  # the source reporter does not claim an mTLS peer identity
+    assert la["destination_principal"] == "spiffe://cluster.local/ns/default/sa/server"
+    assert la["destination_service"] == "echo.default.svc.cluster.local"
+    assert la["destination_service_name"] == "echo" and la["destination_service_namespace"] == "default"
+    assert la["destination_canonical_service"] == "echo" and la["destination_version"] == "v1"
+    assert la["request_protocol"] == "tcp" and la["response_flags"] == "-"
+    (lb,) = [s.labels for s in b_opened if s.labels["connection_security_policy"] == "mutual_tls"]
+    assert lb["reporter"] == "destination"
+    assert lb["source_principal"] == "spiffe://cluster.local/ns/default/sa/client"
+    assert lb["source_workload"] == "client"
+    assert lb["destination_workload"] == "server"
+    # Bytes: received = client->server, sent = server->client, on both reporters; equal to what was sent.
+    for scraped, labels in ((a, la), (b, lb)):
+        recv = [s.value for s in scraped["istio_tcp_received_bytes"] if s.labels == labels]
+        sent_b = [s.value for s in scraped["istio_tcp_sent_bytes"] if s.labels == labels]
+        assert recv == [sent] and sent_b == [sent]
+    # The passthrough connection is "unknown" security policy on the source reporter, with its bytes.
+    plain = [s for s in a["istio_tcp_connections_closed"] if s.labels["connection_security_policy"] == "unknown"]
+    assert len(plain) == 1 and plain[0].value == 1
+    plain_recv = [
+        s.value for s in a["istio_tcp_received_bytes"] if s.labels["connection_security_policy"] == "unknown"
+    ]
+    assert plain_recv == [1000]
+    sockets = {s.labels["reporter"]: s.value for s in a["istio_tcp_sockets_open"]}
+    assert sockets == {"source": 0}
+
+
+async def test_stats_exist_stable_set_and_unstable_help(traffic: tuple[TwoNodeMesh, int, int]) -> None:
+    m, _, _ = traffic
+    text, headers = await asyncio.to_thread(scrape, m.node_a)
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    stable = {n for n, f in fams.items() if "unstable" not in f.documentation}
+    assert stable == STABLE
+    assert "istio_tcp_connections_failed" in fams and "unstable" in fams["istio_tcp_connections_failed"].documentation
+    assert not any(s.name.endswith("_created") for f in fams.values() for s in f.samples)
+    build = fams["istio_build"].samples[0]
+    assert build.labels["component"] == "ztunnel" and build.value == 1
+    assert headers["Content-Type"].startswith("text/plain")
+
+
+async def test_openmetrics_and_gzip(traffic: tuple[TwoNodeMesh, int, int]) -> None:
+    m, _, _ = traffic
+    text, headers = await asyncio.to_thread(
+        scrape, m.node_a, "/stats/prometheus", {"Accept": "application/openmetrics-text", "Accept-Encoding": "gzip"}
+    )
+    assert headers["Content-Type"].startswith("application/openmetrics-text")
+    assert headers.get("Content-Encoding") == "gzip"
+    assert text.rstrip().endswith("# EOF")
+
+
+async def test_failed_connection_counted_with_flag(tmp_path: Path) -> None:
+    m = TwoNodeMesh(tmp_path)
+    async with running_app(m.env_a()), running_app(m.env_b()):
+        # Nothing listens behind the service: node B answers 503, node A records a CONNECT failure.
+        with pytest.raises(ConnectionError):
+            await m.socks5()
+        await asyncio.sleep(0.1)
+        a = samples((await asyncio.to_thread(scrape, m.node_a))[0])
+    failed = a["istio_tcp_connections_failed"]
+    assert [s.labels["response_flags"] for s in failed] == ["CONNECT"]
+    closed = [s.labels["response_flags"] for s in a["istio_tcp_connections_closed"]]
+    assert closed == ["CONNECT"]
+
+
+async def test_unknown_path_is_404(traffic: tuple[TwoNodeMesh, int, int]) -> None:
+    m, _, _ = traffic
+    with pytest.raises(urllib.error.HTTPError) as e:
+        await asyncio.to_thread(scrape, m.node_a, "/nope")
+    assert e.value.code == 404

