@@ -87,7 +87,12 @@ class WorkloadHBONEPool:
         return limit
 
     def _usable(self, conn: HboneTransport) -> bool:
-        return not conn.closed and conn.core.goaway_received is None and len(conn.handlers) < self._capacity(conn)
+        return (
+            not conn.closed
+            and not conn.draining
+            and conn.core.goaway_received is None
+            and len(conn.handlers) < self._capacity(conn)
+        )
 
     def _find(self, key: WorkloadKey) -> HboneTransport | None:
         conns = self._conns.get(key)
@@ -161,9 +166,10 @@ class WorkloadHBONEPool:
             try:
                 tls.verify_server_identity(t.ssl_object, key.dst_id)
             except tls.TlsError as e:
-                t.abort(str(e))
+                # Report first: abort() runs on_closed, which would otherwise claim the failure as CONNECT.
                 if not done.done():
                     done.set_exception(ProxyError(f"TLS to {format_addr(ip, port)}: {e}", ResponseFlag.IDENTITY_ERROR))
+                t.abort(str(e))
                 return
             if not done.done():
                 done.set_result(t)
@@ -218,14 +224,14 @@ class WorkloadHBONEPool:
             self._schedule_reaper()
 
     def close(self) -> None:
-        """Drain: GOAWAY every connection; they close when their streams finish."""
+        """Drain: no new streams; each connection closes when its last stream finishes (idle ones at once)."""
         self.closed = True
         if self._reaper is not None:
             self._reaper.cancel()
             self._reaper = None
         for conns in list(self._conns.values()):
             for conn in list(conns):
-                conn.goaway()
+                conn.drain_when_idle()
 
     def abort(self, reason: str) -> None:
         for conns in list(self._conns.values()):

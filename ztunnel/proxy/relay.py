@@ -393,11 +393,9 @@ class HboneStream:
         if self.done:
             return
         self.done = True
-        self.conn.detach(self.stream_id)
         if self._on_done is not None:
             self._on_done(self)
-        if self.conn.core.goaway_received is not None and not self.conn.handlers:
-            self.conn.close("peer sent GOAWAY and the last stream finished")
+        self.conn.detach(self.stream_id)
 
 
 class PlainRelay:

@@ -91,6 +91,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         self.peer_identity: Identity | None = None  # set once the peer's certificate was verified
         self.handshake_done = False
         self.closed = False
+        self.draining = False  # no new streams; close once the last one finishes
         self.close_reason = ""
         self.write_paused = False
         self.last_active = time.monotonic()
@@ -278,8 +279,10 @@ class HboneTransport(asyncio.BufferedProtocol):
                 self._ping_sent_at = None
             elif type(ev) is GoAwayReceived:
                 log.debug("GOAWAY from %s: code %d, last stream %d", self.peer, ev.error_code, ev.last_stream_id)
-                # Streams above last_stream_id were never processed; those at or below may finish.
-                for sid in [s for s in handlers if s > ev.last_stream_id]:
+                # last_stream_id counts streams *we* opened (odd ids for a client, even for a server): ours above
+                # it were never processed by the peer; the peer's own streams are unaffected and may finish.
+                parity = 1 if self.core.client_side else 0
+                for sid in [s for s in handlers if s % 2 == parity and s > ev.last_stream_id]:
                     handlers.pop(sid).on_reset(ErrorCode.REFUSED_STREAM)
                 if not handlers:
                     self.close("peer sent GOAWAY")
@@ -311,6 +314,14 @@ class HboneTransport(asyncio.BufferedProtocol):
 
     def detach(self, stream_id: int) -> None:
         self.handlers.pop(stream_id, None)
+        if not self.handlers and (self.draining or self.core.goaway_received is not None):
+            self.close("drained" if self.draining else "peer sent GOAWAY and the last stream finished")
+
+    def drain_when_idle(self) -> None:
+        """Take no new streams and close when the open ones are done (a client's side of a drain)."""
+        self.draining = True
+        if not self.handlers:
+            self.close("drained")
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 

@@ -2,11 +2,13 @@
 
 Theory of operation
 -------------------
-h2 is the state machine for everything but DATA: the connection preface and SETTINGS, HEADERS (the CONNECT request
-and its response), RST_STREAM, WINDOW_UPDATE, PING and GOAWAY all go through ``H2Connection`` unchanged, so stream
-states, HPACK and the protocol checks are h2's. DATA frames, which carry every tunnelled byte, are parsed and built
-here instead, because h2's path for them costs several copies and an eager ``repr`` of each frame (hex-encoding the
-payload: about 20% of a receiver's CPU, measured on these machines). This is the split the benchmark needs.
+h2 is the state machine for everything but DATA and GOAWAY: the connection preface and SETTINGS, HEADERS (the CONNECT
+request and its response), RST_STREAM, WINDOW_UPDATE and PING all go through ``H2Connection`` unchanged, so stream
+states, HPACK and the protocol checks are h2's. GOAWAY is sent and received here, because h2 stops sending anything
+once either happened, and a graceful GOAWAY must let the open streams finish. DATA frames, which carry every
+tunnelled byte, are parsed and built here instead, because h2's path for them costs several copies and an eager
+``repr`` of each frame (hex-encoding the payload: about 20% of a receiver's CPU, measured on these machines). This
+is the split the benchmark needs.
 
 Receiving: the I/O layer decrypts straight into :meth:`HboneConnection.get_buffer` and calls
 :meth:`HboneConnection.buffer_updated`. DATA payloads are delivered *streaming*, as soon as bytes of a frame arrive
@@ -49,6 +51,7 @@ _WINDOW_UPDATE = struct.Struct(">IBII")
 _GOAWAY = struct.Struct(">IBIII")
 FRAME_HEADER_SIZE = 9
 DATA = 0x0
+GOAWAY = 0x7
 FLAG_END_STREAM = 0x1
 FLAG_PADDED = 0x8
 _PREFACE_SIZE = 24
@@ -335,6 +338,16 @@ class HboneConnection:
             if end - pos < FRAME_HEADER_SIZE + length:
                 self._need = FRAME_HEADER_SIZE + length
                 break
+            if ftype == GOAWAY and stream_id == 0 and length >= 8:
+                # Handled here, not by h2: h2 moves its state machine to CLOSED on a received GOAWAY and then
+                # refuses to send anything (END_STREAM, RST_STREAM, a response), while a graceful GOAWAY lets the
+                # open streams finish (RFC 9113 §6.8). A malformed GOAWAY still goes to h2, which rejects it.
+                if h2_from >= 0:
+                    events.extend(self._to_h2(view[h2_from:pos]))
+                    h2_from = -1
+                events.append(self._goaway_frame(view[pos + FRAME_HEADER_SIZE : pos + FRAME_HEADER_SIZE + length]))
+                pos += FRAME_HEADER_SIZE + length
+                continue
             if h2_from < 0:
                 h2_from = pos
             pos += FRAME_HEADER_SIZE + length
@@ -343,6 +356,12 @@ class HboneConnection:
         self._start = pos
         self._send_window_updates()
         return events
+
+    def _goaway_frame(self, payload: memoryview) -> GoAwayReceived:
+        last, code = struct.unpack_from(">II", payload)
+        g = GoAwayReceived(code, last & 0x7FFFFFFF, bytes(payload[8:]))
+        self.goaway_received = g
+        return g
 
     def _start_data(self, events: list[Event], pos: int, length: int, flags: int, stream_id: int) -> int:
         st: _Stream | None = self.streams[stream_id]

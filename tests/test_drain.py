@@ -1,0 +1,79 @@
+"""Graceful drain of a real ztunnel process on SIGTERM: finishing connections complete, the rest are closed at the
+deadline, readiness answers 500 meanwhile, and the process exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from ztunnel.testing import EchoServer, TwoNodeMesh, ZtunnelProcess
+
+
+def readiness(host: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://{host}:15021/healthz/ready", timeout=2) as resp:  # noqa: S310
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+async def test_sigterm_drains_then_forces(tmp_path: Path) -> None:
+    m = TwoNodeMesh(tmp_path)
+    echo = await EchoServer().start(*m.server_app)
+    node_b = ZtunnelProcess(m.env_b(), tmp_path / "b.log").start()
+    node_a = ZtunnelProcess(m.env_a(CONNECTION_TERMINATION_DEADLINE="2s"), tmp_path / "a.log").start()
+    try:
+        finishing_r, finishing_w = await m.socks5()
+        stuck_r, stuck_w = await m.socks5()
+        for w in (finishing_w, stuck_w):
+            w.write(b"a" * 1000)
+        await finishing_r.readexactly(1000)
+        await stuck_r.readexactly(1000)
+        assert readiness(m.node_a) == 200
+
+        assert node_a.proc is not None
+        node_a.proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        await asyncio.sleep(0.3)
+        assert await asyncio.to_thread(readiness, m.node_a) == 500  # draining: not ready
+        # The finishing connection sends the rest and half-closes within the deadline: every byte comes back.
+        finishing_w.write(b"b" * 100_000)
+        finishing_w.write_eof()
+        rest = await asyncio.wait_for(finishing_r.read(), 5)
+        assert rest == b"b" * 100_000
+        # The stuck one is closed when the 2 s deadline passes (reset or EOF), not before.
+        try:
+            stuck = await asyncio.wait_for(stuck_r.read(), 10)
+        except ConnectionResetError:
+            stuck = b""
+        elapsed = time.monotonic() - start
+        assert stuck == b""
+        assert 1.5 <= elapsed <= 6, elapsed
+        code = await asyncio.to_thread(node_a.proc.wait, 10)
+        assert code == 0
+        log = (tmp_path / "a.log").read_text()
+        assert "drain duration expired with pending connections" in log
+        for w in (finishing_w, stuck_w):
+            w.close()
+            with contextlib.suppress(ConnectionError):
+                await w.wait_closed()
+    finally:
+        node_a.stop()
+        node_b.stop()
+        await echo.stop()
+
+
+async def test_drain_with_no_connections_exits_at_once(tmp_path: Path) -> None:
+    m = TwoNodeMesh(tmp_path)
+    node = ZtunnelProcess(m.env_a(), tmp_path / "a.log").start()
+    assert node.proc is not None
+    start = time.monotonic()
+    node.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(node.proc.wait, 10) == 0
+    assert time.monotonic() - start < 3
+    node.stop()
