@@ -179,4 +179,5 @@ async def test_unknown_path_is_404(traffic: tuple[TwoNodeMesh, int, int]) -> Non
     m, _, _ = traffic
     with pytest.raises(urllib.error.HTTPError) as e:
         await asyncio.to_thread(scrape, m.node_a, "/nope")
+    e.value.close()
     assert e.value.code == 404

@@ -75,7 +75,7 @@ def _run_proxy(config: Config) -> int:
     try:
         import uvloop
 
-        uvloop.run(run(config))
+        return uvloop.run(run(config))
     except (StartupError, LocalConfigError) as e:
         sys.stderr.write(f"error: {e}\n")
         return 1
@@ -83,7 +83,6 @@ def _run_proxy(config: Config) -> int:
         # A port already in use, a missing capability: say which and stop (nothing is half-bound).
         sys.stderr.write(f"error: {e}\n")
         return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -15,23 +15,24 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
 
 from ztunnel.admin import AdminServer
 from ztunnel.config import Config, ProxyMode
+from ztunnel.dns.metrics import Metrics as DnsMetrics
 from ztunnel.drain import Drain, DrainMode
 from ztunnel.identity.ca import CaError, LocalCA
 from ztunnel.identity.manager import CertificateProvider
 from ztunnel.localconfig import LocalConfig, load_local_config, parse_local_config
 from ztunnel.metrics import Registry, StatsServer
 from ztunnel.proxy import Proxy
-from ztunnel.proxy.common import LocalWorkload, ProxyInputs, TlsContextCache
-from ztunnel.proxy.connection_manager import ConnectionManager, ConnectionRecord
-from ztunnel.proxy.metrics import TrafficMetrics, flush_periodically
-from ztunnel.proxy.pool import WorkloadHBONEPool
-from ztunnel.readiness import Readiness, ReadinessServer
-from ztunnel.sockets import SocketConfig, SocketFactory
+from ztunnel.proxy.common import LocalWorkload, TlsContextCache, format_addr
+from ztunnel.proxy.connection_manager import ConnectionRecord, Direction
+from ztunnel.proxy.metrics import FLUSH_INTERVAL, TrafficMetrics, flush_periodically
+from ztunnel.proxyfactory import PodProxies, ProxyFactory
+from ztunnel.readiness import BlockReady, Readiness, ReadinessServer
 from ztunnel.state import ProxyState
 from ztunnel.tasks import TaskGroup
 
@@ -62,11 +63,20 @@ class App:
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     _waiting: bool = False
+    exit_code: int = 0
+    inpod_state: Any = None
+    dns_proxy: Any = None
+    inpod_task: Any = None
 
     def __post_init__(self) -> None:
         self.registry = Registry(self.config.istio_version)
         self.traffic = TrafficMetrics(self.registry)
         self.registry.dynamic.append(self._xds_metrics)
+        # The DNS metrics are prometheus-client objects in a registry of their own, written out with ours on 15020;
+        # one set for the process, shared by every DNS proxy (upstream creates dns::Metrics once in app.rs).
+        dns_registry = CollectorRegistry(auto_describe=True)
+        self.registry.extra.append(dns_registry)
+        self.dns_metrics = DnsMetrics(dns_registry)
 
     async def start(self) -> None:
         """Load state and start every component. Raises :class:`StartupError` with a clear message."""
@@ -105,16 +115,32 @@ class App:
             self.xds_client = client
             self.tasks.spawn(client.run(), "xds client")
         self.certs = self._certificate_provider()
-        if self.config.proxy_mode is ProxyMode.DEDICATED and self.config.enable_proxy:
-            proxy_ready = self.readiness.register("proxy")
-            self.proxy = self._dedicated_proxy()
-            await self.proxy.start()
-            proxy_ready.release()
+        self.factory = ProxyFactory(
+            self.config,
+            self.state,
+            self.certs,
+            TlsContextCache(self.config.tls12_enabled),
+            self.traffic,
+            self.dns_metrics,
+        )
+        if self.config.proxy_mode is ProxyMode.DEDICATED:
+            info = self.config.proxy_workload_info
+            assert info is not None
+            self.dns_proxy = self.factory.dns(LocalWorkload(self.state, info), self.factory.host_sockets(), False)
+            if self.dns_proxy is not None:
+                dns_ready = self.readiness.register("dns proxy")
+                await self.dns_proxy.start()
+                dns_ready.release()
+            if self.config.enable_proxy:
+                proxy_ready = self.readiness.register("proxy")
+                self.proxy = self.factory.dedicated(info, self.drain)
+                if self.proxy.socks5 is not None and self.dns_proxy is not None:
+                    self.proxy.socks5.resolve = self.dns_proxy.resolve  # SOCKS5 names resolve here, as upstream
+                self.tasks.spawn(flush_periodically(self.proxy.pi.connections, self.traffic), "metrics flush")
+                await self.proxy.start()
+                proxy_ready.release()
         elif self.config.proxy_mode is ProxyMode.SHARED:
-            raise StartupError(
-                "PROXY_MODE=shared (in-pod, driven by istio-cni over ZDS) is not available in this build yet; "
-                "use PROXY_MODE=dedicated with PROXY_WORKLOAD_INFO"
-            )
+            self._start_inpod(state_ready)
         await self._start_admin()
 
     async def _start_admin(self) -> None:
@@ -135,11 +161,74 @@ class App:
             connections=self._connections,
             shutdown=quit_,
             static_config=lambda: dict(self.local_config.raw) if self.local_config is not None else None,
+            workload_state=self._workload_state if cfg.proxy_mode is ProxyMode.SHARED else None,
         )
         await self.admin_server.start(cfg.admin_addr)
 
+    def _start_inpod(self, state_ready: BlockReady) -> None:
+        """In-pod mode: per-pod proxies driven by istio-cni over ZDS, connected once xDS state is ready."""
+        from ztunnel.inpod.netns import Netns, host_netns_fd
+        from ztunnel.inpod.statemanager import WorkloadProxyManagerState
+        from ztunnel.inpod.workloadmanager import WorkloadProxyManager
+
+        host_fd = host_netns_fd()
+        self.inpod_state = WorkloadProxyManagerState(self.factory, lambda fd: Netns(fd, host_fd))
+        manager = WorkloadProxyManager(
+            self.config.inpod_uds, self.inpod_state, self.readiness, self.registry, self._fatal
+        )
+
+        async def run() -> None:
+            # Upstream starts the ZDS connection only after the first xDS sync (app.rs: xds_rx.changed()).
+            await state_ready.released.wait()
+            await manager.run()
+
+        self.inpod_task = self.tasks.spawn(run(), "workload proxy manager")
+        self.tasks.spawn(self._flush_pods(), "metrics flush")
+
+    async def _flush_pods(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_INTERVAL)
+            for records in self._all_connections():
+                if records.metrics is not None:
+                    self.traffic.flush(records.metrics, records.bytes_sent(), records.bytes_recv())
+
+    def _fatal(self, reason: str) -> None:
+        """A ZDS protocol error: ztunnel exits 1 (upstream), without a grace period."""
+        self.exit_code = 1
+        self.shutdown(DrainMode.IMMEDIATE)
+
+    def _proxies(self) -> list[Proxy]:
+        out = [self.proxy] if self.proxy is not None else []
+        if self.inpod_state is not None:
+            out += [p.proxies.proxy for p in self.inpod_state.pods.values() if isinstance(p.proxies, PodProxies)]
+        return out
+
+    def _all_connections(self) -> list[ConnectionRecord]:
+        return [r for p in self._proxies() for r in p.pi.connections]
+
     def _connections(self) -> list[ConnectionRecord]:
-        return list(self.proxy.pi.connections) if self.proxy is not None else []
+        return self._all_connections()
+
+    def _workload_state(self) -> dict[str, Any]:
+        """``workloadState`` of the config dump (in-pod): each pod's state, identity info and connections."""
+        st = self.inpod_state
+        if st is None:
+            return {}
+        out: dict[str, Any] = {}
+        for uid, pod in [*st.pods.items(), *st.pending.items()]:
+            info = pod.info
+            entry: dict[str, Any] = {
+                "state": "Up" if uid in st.pods else "Pending",
+                "info": {"name": info.name, "namespace": info.namespace, "serviceAccount": info.service_account},
+            }
+            if isinstance(pod.proxies, PodProxies):
+                conns = list(pod.proxies.proxy.pi.connections)
+                entry["connections"] = {
+                    d.value: [f"{format_addr(*c.src)}->{format_addr(*c.dst)}" for c in conns if c.direction is d]
+                    for d in Direction
+                }
+            out[uid] = entry
+        return out
 
     def _xds_metrics(self) -> list[Metric]:
         """``istio_xds_*`` from the ADS client's counters, computed at scrape time."""
@@ -199,25 +288,6 @@ class App:
             CertFetcher(self.state, local_manager, cfg.node_name)
         return local_manager
 
-    def _dedicated_proxy(self) -> Proxy:
-        cfg = self.config
-        assert cfg.proxy_workload_info is not None and self.certs is not None
-        sockets = SocketFactory(SocketConfig.from_config(cfg))
-        contexts = TlsContextCache(cfg.tls12_enabled)
-        pi = ProxyInputs(
-            config=cfg,
-            state=self.state,
-            certs=self.certs,
-            sockets=sockets,
-            local=LocalWorkload(self.state, cfg.proxy_workload_info),
-            drain=self.drain,
-            contexts=contexts,
-            pool=WorkloadHBONEPool(cfg, self.certs, sockets, contexts),
-            connections=ConnectionManager(self.traffic),
-        )
-        self.tasks.spawn(flush_periodically(pi.connections, self.traffic), "metrics flush")
-        return Proxy(pi)
-
     def shutdown(self, mode: DrainMode = DrainMode.GRACEFUL) -> None:
         """Start draining (idempotent); :meth:`wait` returns once everything has closed."""
         self.readiness.draining = True
@@ -232,6 +302,8 @@ class App:
         self._waiting = True
         await self.drain.wait_started()
         deadline = 0.0 if self.drain.forced else self.config.self_termination_deadline
+        if self.dns_proxy is not None:
+            await self.dns_proxy.close()  # upstream stops the DNS server as the drain starts
         proxy = self.proxy
         if proxy is not None:
             proxy.drain()
@@ -240,6 +312,13 @@ class App:
                 self.drain.force()
                 proxy.force_close("drain deadline expired")
             await proxy.pi.tasks.cancel_all(timeout=1.0)
+        if self.inpod_state is not None:
+            if self.inpod_task is not None:
+                self.inpod_task.cancel()  # stop talking ZDS first: no new pods during the drain
+            for pod in self.inpod_state.pods.values():
+                if isinstance(pod.proxies, PodProxies):
+                    pod.proxies.deadline = deadline
+            await self.inpod_state.drain()
         await self.tasks.cancel_all(timeout=1.0)
         for server in (self.readiness_server, self.stats_server):
             if server is not None:
@@ -277,10 +356,11 @@ def install_signal_handlers(app: App) -> None:
         loop.add_signal_handler(sig, on_signal, sig)
 
 
-async def run(config: Config) -> None:
-    """Build, start and run ztunnel until it is told to stop."""
+async def run(config: Config) -> int:
+    """Build, start and run ztunnel until it is told to stop; returns the exit status."""
     app = build(config)
     install_signal_handlers(app)
     await app.start()
     log.info("ztunnel started (mode %s)", config.proxy_mode.value)
     await app.wait()
+    return app.exit_code

@@ -204,7 +204,10 @@ def encode(registry: Registry, accept: str = "", accept_encoding: str = "") -> t
     openmetrics = OPENMETRICS in accept
     metrics = list(registry.collect())
     for extra in registry.extra:
-        metrics.extend(extra.collect())
+        for m in extra.collect():
+            # prometheus-client adds a _created sample per counter; upstream exports none.
+            m.samples = [s for s in m.samples if not s.name.endswith("_created")]
+            metrics.append(m)
     body = _write(metrics, openmetrics)
     headers = {"Content-Type": OPENMETRICS_TYPE if openmetrics else PROMETHEUS_TYPE}
     if "gzip" in accept_encoding:

@@ -6,6 +6,7 @@ makes ztunnel not ready again so a rolling update stops sending it new work.
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 from ztunnel.config import SocketAddress
@@ -36,17 +37,19 @@ class Readiness:
 
 
 class BlockReady:
-    """One pending readiness task; releasing twice is harmless."""
+    """One pending readiness task; releasing twice is harmless. ``released`` is an event others can await."""
 
     def __init__(self, readiness: Readiness, name: str) -> None:
         self._readiness = readiness
         self.name = name
         self._released = False
+        self.released = asyncio.Event()
 
     def release(self) -> None:
         if not self._released:
             self._released = True
             self._readiness._release(self.name)
+            self.released.set()
 
     def subtask(self, name: str) -> BlockReady:
         return self._readiness.register(name)

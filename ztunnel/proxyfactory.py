@@ -1,0 +1,114 @@
+"""Builds the proxies of one workload (upstream ``proxyfactory.rs``): in dedicated mode the host's one proxy, in
+in-pod mode one set per pod, its sockets created inside the pod's network namespace.
+
+Each proxy set has its own connection pool (keyed by that pod's identity), connection manager and drain, and shares
+the certificate provider, TLS context cache and metrics of the process.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ztunnel.config import Config, WorkloadInfo
+from ztunnel.dns import DnsProxy
+from ztunnel.dns.metrics import Metrics as DnsMetrics
+from ztunnel.drain import Drain, DrainMode
+from ztunnel.identity.manager import CertificateProvider
+from ztunnel.inpod.netns import InPodSocketFactory, Netns, NetnsId
+from ztunnel.proxy import Proxy
+from ztunnel.proxy.common import LocalWorkload, ProxyInputs, TlsContextCache
+from ztunnel.proxy.connection_manager import ConnectionManager
+from ztunnel.proxy.metrics import TrafficMetrics
+from ztunnel.proxy.pool import WorkloadHBONEPool
+from ztunnel.sockets import SocketConfig, SocketFactory
+from ztunnel.state import ProxyState
+
+log = logging.getLogger("ztunnel.proxyfactory")
+
+
+@dataclass
+class ProxyFactory:
+    config: Config
+    state: ProxyState
+    certs: CertificateProvider
+    contexts: TlsContextCache
+    traffic: TrafficMetrics
+    dns_metrics: DnsMetrics | None = None
+
+    def dns(self, local: LocalWorkload, sockets: SocketFactory, reuse_port: bool) -> DnsProxy | None:
+        """The DNS proxy of one workload (ISTIO_META_DNS_CAPTURE), or None when DNS capture is off."""
+        if not self.config.dns_proxy:
+            return None
+        return DnsProxy.from_config(
+            self.config,
+            self.state,
+            local.find,
+            sockets,
+            self.dns_metrics,
+            # A query racing the workload's arrival in xDS waits for it (5 s), as upstream.
+            wait_local_workload=local.get,
+            reuse_port=reuse_port,
+        )
+
+    def inputs(self, info: WorkloadInfo, sockets: SocketFactory, drain: Drain) -> ProxyInputs:
+        return ProxyInputs(
+            config=self.config,
+            state=self.state,
+            certs=self.certs,
+            sockets=sockets,
+            local=LocalWorkload(self.state, info),
+            drain=drain,
+            contexts=self.contexts,
+            pool=WorkloadHBONEPool(self.config, self.certs, sockets, self.contexts),
+            connections=ConnectionManager(self.traffic),
+        )
+
+    def host_sockets(self) -> SocketFactory:
+        return SocketFactory(SocketConfig.from_config(self.config))
+
+    def dedicated(self, info: WorkloadInfo, drain: Drain) -> Proxy:
+        return Proxy(self.inputs(info, self.host_sockets(), drain))
+
+    async def start(self, uid: str, info: WorkloadInfo, netns: Netns) -> PodProxies:
+        """Start a pod's listeners inside its namespace (the statemanager's ``ProxyFactory``)."""
+        sockets = InPodSocketFactory(SocketConfig.from_config(self.config), netns)
+        proxy = Proxy(self.inputs(info, sockets, Drain(f"pod {uid}")))
+        dns = self.dns(proxy.pi.local, sockets, reuse_port=self.config.inpod_port_reuse)
+        if dns is not None:
+            if proxy.socks5 is not None:
+                proxy.socks5.resolve = dns.resolve
+            await dns.start()
+        try:
+            await proxy.start()
+        except BaseException:
+            if dns is not None:
+                await dns.close()
+            raise
+        log.info("proxy for %s/%s started in %s", info.namespace, info.name, netns)
+        return PodProxies(uid, info, netns.id, proxy, self.config.self_termination_deadline, dns)
+
+
+@dataclass
+class PodProxies:
+    """One pod's running proxies (the statemanager's ``PodProxies``)."""
+
+    uid: str
+    info: WorkloadInfo
+    netns_id: NetnsId
+    proxy: Proxy
+    deadline: float
+    dns: DnsProxy | None = None
+
+    async def stop(self, immediate: bool) -> None:
+        """``immediate``: the pod is gone (ZDS del), close now; else drain up to the termination deadline."""
+        pi = self.proxy.pi
+        if self.dns is not None:
+            await self.dns.close()
+        pi.drain.start(DrainMode.IMMEDIATE if immediate else DrainMode.GRACEFUL)
+        self.proxy.drain()
+        if immediate or not await self.proxy.wait_idle(self.deadline):
+            self.proxy.force_close("pod deleted" if immediate else "drain deadline expired")
+        pi.local.close()
+        await pi.tasks.cancel_all(timeout=1.0)
+        log.info("proxy for %s/%s stopped", self.info.namespace, self.info.name)
