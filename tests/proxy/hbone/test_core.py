@@ -208,6 +208,25 @@ def test_goaway_received_and_sent() -> None:
     assert c.goaway_received is g
 
 
+def test_after_goaway_received_open_streams_can_still_end_and_reset() -> None:
+    """A graceful GOAWAY lets open streams finish: the receiver must still be able to half-close and reset them
+    (h2 alone would refuse to send anything once it saw the GOAWAY)."""
+    c, s, sid = connected()
+    sid2 = c.send_connect("10.0.0.1:8081")
+    pump(c, s)
+    s.send_response(sid2, 200)
+    pump(s, c)
+    s.goaway()
+    assert any(isinstance(e, GoAwayReceived) for e in pump(s, c))
+    assert data_of(s.receive_data(send(c, sid, b"after"))) == b"after"
+    c.end_stream(sid)
+    wire = c.data_to_send()
+    assert any(isinstance(f, DataFrame) and f.stream_id == sid and "END_STREAM" in f.flags for f in frames(wire))
+    assert any(isinstance(e, StreamEnded) and e.stream_id == sid for e in s.receive_data(wire))
+    c.reset_stream(sid2, ErrorCode.CANCEL)
+    assert any(isinstance(f, RstStreamFrame) and f.stream_id == sid2 for f in frames(c.data_to_send()))
+
+
 def test_data_on_reset_stream_goes_to_h2() -> None:
     _c, s, sid = connected()
     s.reset_stream(sid, ErrorCode.CANCEL)
