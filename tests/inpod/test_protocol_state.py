@@ -130,7 +130,7 @@ class Factory:
     failing: set[str] = field(default_factory=set)
     started: dict[str, Running] = field(default_factory=dict)
 
-    async def start(self, uid: str, info: WorkloadInfo, netns: FakeNetns) -> Running:  # type: ignore[override]
+    async def start(self, uid: str, info: WorkloadInfo, netns: FakeNetns) -> Running:
         if uid in self.failing:
             raise OSError("address already in use")
         r = Running(netns.id)
@@ -162,9 +162,10 @@ def add(inodes: dict[int, int], uid: str, inode: int, info: WorkloadInfo | None 
 async def test_snapshot_then_ready() -> None:
     factory = Factory()
     st, inodes = new_state(factory)
-    assert not st.ready
+    ready_before = st.ready
     await st.process(add(inodes, "a", 100))
     await st.process(SnapshotSent())
+    assert not ready_before
     assert st.ready and set(st.pods) == {"a"} and st.started == 1
 
 
