@@ -48,8 +48,23 @@ def encode(b: Baggage, workload_type: str) -> str:
     return ",".join(f"{k}={v}" for k, v in items if v)
 
 
+_cache: dict[int, tuple[Workload, str]] = {}
+
+
 def workload_baggage(w: Workload) -> str:
-    return encode(Baggage.of(w), w.workload_type)
+    """The baggage value for a workload, cached: it is sent on every CONNECT from (and 200 for) that workload.
+
+    Keyed by object identity and checked against the object itself, so a replaced Workload never hits a stale
+    entry; the cache is bounded by clearing it when it grows past 4096 entries.
+    """
+    hit = _cache.get(id(w))
+    if hit is not None and hit[0] is w:
+        return hit[1]
+    value = encode(Baggage.of(w), w.workload_type)
+    if len(_cache) >= 4096:
+        _cache.clear()
+    _cache[id(w)] = (w, value)
+    return value
 
 
 def parse(values: str | list[str]) -> Baggage:
