@@ -1,0 +1,206 @@
+"""The two-node in-pod cluster used by the namespaced tests (see ``test_namespaced``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ztunnel.inpod.nodeagent import PodInfo, ZdsServer
+from ztunnel.testing import netns as tn
+
+MESH = """
+workloads:
+- {{uid: "Kubernetes//Pod/default/client", name: client, namespace: default, serviceAccount: client,
+   workloadIps: ["{client}"], protocol: HBONE, node: node1, canonicalName: client, workloadName: client}}
+- {{uid: "Kubernetes//Pod/default/server-a", name: server-a, namespace: default, serviceAccount: server,
+   workloadIps: ["{server_a}"], protocol: HBONE, node: node1, canonicalName: echo, workloadName: server,
+   services: {{"default/echo.default.svc.cluster.local": {{80: 8080}}}}}}
+- {{uid: "Kubernetes//Pod/default/server-b", name: server-b, namespace: default, serviceAccount: server,
+   workloadIps: ["{server_b}"], protocol: HBONE, node: node2, canonicalName: echo, workloadName: server,
+   services: {{"default/echo.default.svc.cluster.local": {{80: 8080}}}}}}
+- {{uid: "Kubernetes//Pod/default/plain", name: plain, namespace: default, serviceAccount: plain,
+   workloadIps: ["{plain}"], protocol: TCP, node: node2}}
+services:
+- {{name: echo, namespace: default, hostname: echo.default.svc.cluster.local, vips: ["/10.96.0.10"],
+   ports: {{80: 8080}}}}
+"""
+VIP = ("10.96.0.10", 80)
+MARKER = b"MARKER-7f3a9c-NEVER-IN-CLEAR"
+
+
+def echo_with_peer(conn: socket.socket) -> None:
+    """The app: first says who it sees as the peer (to check source-IP spoofing), then echoes until EOF."""
+    try:
+        conn.sendall(f"peer={conn.getpeername()[0]}\n".encode())
+        while data := conn.recv(65536):
+            conn.sendall(data)
+    except OSError:
+        pass  # the tunnel was torn down (a deleted pod, a drained proxy): nothing to echo to
+    finally:
+        conn.close()
+
+
+@dataclass
+class Cluster:
+    topo: tn.Topology
+    work: Path
+    pods: dict[str, tn.Pod]
+    nodes: dict[str, tn.Node]
+    ztunnels: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    agents: dict[str, ZdsServer] = field(default_factory=dict)
+    logs: dict[str, Path] = field(default_factory=dict)
+
+    def call(self, pod: str, host: str, port: int, payload: bytes, timeout: float = 10) -> bytes:
+        """A plain client inside ``pod``: connect, send, half-close, read to EOF."""
+
+        def run() -> bytes:
+            with socket.create_connection((host, port), timeout=timeout) as s:
+                s.sendall(payload)
+                s.shutdown(socket.SHUT_WR)
+                out = b""
+                while chunk := s.recv(65536):
+                    out += chunk
+                return out
+
+        return self.pods[pod].run(run)
+
+    def scrape(self, node: str) -> dict[str, list[Any]]:
+        def get() -> str:
+            with urllib.request.urlopen(f"http://{self.nodes[node].ip}:15020/metrics", timeout=5) as r:
+                return str(r.read().decode())
+
+        text = self.nodes[node].run(get)
+        out: dict[str, list[Any]] = {}
+        for fam in text_string_to_metric_families(text):
+            out.setdefault(fam.name, []).extend(fam.samples)
+        return out
+
+    def access(self, node: str) -> list[dict[str, Any]]:
+        out = []
+        for line in self.logs[node].read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("scope") == "access" and rec.get("message") == "connection complete":
+                out.append(rec)
+        return out
+
+
+def _servers(topo: tn.Topology, pods: dict[str, tn.Pod]) -> list[socket.socket]:
+    """Echo apps on :8080 in server-a, server-b and plain (a thread per connection; the pods' own 'app')."""
+    import threading
+
+    listeners = []
+    for name in ("server-a", "server-b", "plain"):
+        lst = pods[name].listen_tcp("0.0.0.0", 8080)
+        lst.setblocking(True)
+        listeners.append(lst)
+
+        def serve(sock: socket.socket = lst) -> None:
+            while True:
+                try:
+                    conn, _ = sock.accept()
+                except OSError:
+                    return
+                threading.Thread(target=echo_with_peer, args=(conn,), daemon=True).start()
+
+        threading.Thread(target=serve, daemon=True).start()
+    return listeners
+
+
+@pytest.fixture
+def topology() -> Iterator[tn.Topology]:
+    tn.require(iptables=True)
+    with tn.Topology() as topo:
+        yield topo
+
+
+@pytest.fixture
+async def cluster(topology: tn.Topology, tmp_path: Path) -> AsyncIterator[Cluster]:
+    topo = topology
+    pods = {
+        "client": topo.pod("node1", "client"),
+        "server-a": topo.pod("node1", "server_a"),
+        "server-b": topo.pod("node2", "server_b"),
+        "plain": topo.pod("node2", "plain"),
+    }
+    nodes = {"node1": topo.nodes["node1"], "node2": topo.nodes["node2"]}
+    config = tmp_path / "mesh.yaml"
+    config.write_text(
+        MESH.format(
+            client=pods["client"].ip, server_a=pods["server-a"].ip, server_b=pods["server-b"].ip, plain=pods["plain"].ip
+        )
+    )
+    c = Cluster(topo, tmp_path, pods, nodes)
+    listeners = _servers(topo, pods)
+    enrolled = {"node1": ["client", "server-a"], "node2": ["server-b"]}  # "plain" stays out of the mesh
+    try:
+        for node, names in enrolled.items():
+            agent = ZdsServer(
+                str(tmp_path / f"{node}.sock"),
+                [
+                    PodInfo(
+                        f"Kubernetes//Pod/default/{n}",
+                        "default",
+                        n,
+                        "client" if n == "client" else "server",
+                        str(pods[n].path),
+                    )
+                    for n in names
+                ],
+                apply_rules=True,
+            )
+            await agent.start()
+            c.agents[node] = agent
+            c.logs[node] = tmp_path / f"{node}.log"
+            env = {
+                "PATH": os.environ["PATH"],
+                "XDS_ADDRESS": "",
+                "FAKE_CA": "true",
+                "ZTUNNEL_CA_DIR": str(tmp_path / "ca"),
+                "LOCAL_XDS_PATH": str(config),
+                "NODE_NAME": node,
+                "INPOD_UDS": str(tmp_path / f"{node}.sock"),
+                "LOG_FORMAT": "json",
+                "ISTIO_META_DNS_CAPTURE": "false",
+                "CONNECTION_TERMINATION_DEADLINE": "2s",
+            }
+            with open(c.logs[node], "wb") as log:  # noqa: ASYNC230 - set-up, before any traffic
+                c.ztunnels[node] = nodes[node].popen(
+                    [sys.executable, "-m", "ztunnel", "proxy", "ztunnel"], env=env, stdout=log, stderr=log
+                )
+        for agent in c.agents.values():
+            await agent.wait_snapshot(timeout=20)
+        await asyncio.sleep(0.3)  # proxies started (the snapshot acks come after each start)
+        yield c
+    finally:
+        for p in c.ztunnels.values():
+            p.send_signal(signal.SIGTERM)
+        for p in c.ztunnels.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for agent in c.agents.values():
+            await agent.stop()
+        for lst in listeners:
+            lst.close()
+
+
+def peer_and_body(reply: bytes) -> tuple[str, bytes]:
+    head, _, body = reply.partition(b"\n")
+    return head.decode().removeprefix("peer="), body
