@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -131,7 +132,19 @@ def topology() -> Iterator[tn.Topology]:
 
 @pytest.fixture
 async def cluster(topology: tn.Topology, tmp_path: Path) -> AsyncIterator[Cluster]:
-    topo = topology
+    async with running_cluster(topology, tmp_path, dns=False) as c:
+        yield c
+
+
+@pytest.fixture
+async def dns_cluster(topology: tn.Topology, tmp_path: Path) -> AsyncIterator[Cluster]:
+    """The same cluster with DNS capture on: the agent adds the DNS rules, ztunnel runs a DNS proxy per pod."""
+    async with running_cluster(topology, tmp_path, dns=True) as c:
+        yield c
+
+
+@contextlib.asynccontextmanager
+async def running_cluster(topo: tn.Topology, tmp_path: Path, dns: bool) -> AsyncIterator[Cluster]:
     pods = {
         "client": topo.pod("node1", "client"),
         "server-a": topo.pod("node1", "server_a"),
@@ -163,6 +176,7 @@ async def cluster(topology: tn.Topology, tmp_path: Path) -> AsyncIterator[Cluste
                     for n in names
                 ],
                 apply_rules=True,
+                dns_capture=dns,
             )
             await agent.start()
             c.agents[node] = agent
@@ -176,7 +190,7 @@ async def cluster(topology: tn.Topology, tmp_path: Path) -> AsyncIterator[Cluste
                 "NODE_NAME": node,
                 "INPOD_UDS": str(tmp_path / f"{node}.sock"),
                 "LOG_FORMAT": "json",
-                "ISTIO_META_DNS_CAPTURE": "false",
+                "ISTIO_META_DNS_CAPTURE": "true" if dns else "false",
                 "CONNECTION_TERMINATION_DEADLINE": "2s",
             }
             with open(c.logs[node], "wb") as log:  # noqa: ASYNC230 - set-up, before any traffic

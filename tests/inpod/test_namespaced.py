@@ -12,10 +12,12 @@ import asyncio
 import signal
 import socket
 import subprocess
+import sys
+from pathlib import Path
 
-from tests.inpod.cluster import MARKER, VIP, Cluster, cluster, peer_and_body, topology
+from tests.inpod.cluster import MARKER, VIP, Cluster, cluster, dns_cluster, peer_and_body, topology
 
-__all__ = ["cluster", "topology"]  # fixtures
+__all__ = ["cluster", "dns_cluster", "topology"]  # fixtures
 
 
 async def test_cross_node_captured_pair(cluster: Cluster) -> None:
@@ -146,3 +148,39 @@ async def test_calls_to_ztunnel_ports_are_refused(cluster: Cluster) -> None:
         result = await asyncio.to_thread(c.pods["client"].run, attempt, port)
         # Refused, reset or closed: never relayed anywhere (nothing echoed back).
         assert result == b"" or isinstance(result, str), (port, result)
+
+
+async def test_pod_dns_answered_by_ztunnel_then_hbone(dns_cluster: Cluster) -> None:
+    """A pod's getaddrinfo of a mesh name goes to a nameserver off the pod, the capture rules send it to ztunnel's
+    DNS proxy in the pod (raw-table CT zones as upstream), which answers from xDS; the connection then goes
+    through HBONE. ``ip netns exec`` gives the pod its own resolv.conf from /etc/netns/<name>/."""
+    c = dns_cluster
+    pod = c.pods["client"]
+    etc = Path("/etc/netns") / pod.name
+    etc.mkdir(parents=True, exist_ok=True)
+    try:
+        (etc / "resolv.conf").write_text("nameserver 192.0.2.53\nsearch default.svc.cluster.local\noptions timeout:2\n")
+        script = (
+            "import socket\n"
+            "ip = socket.getaddrinfo('echo', 80, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]\n"
+            "s = socket.create_connection((ip, 80), timeout=10)\n"
+            "s.sendall(b'via dns'); s.shutdown(socket.SHUT_WR)\n"
+            "out = b''\n"
+            "while (chunk := s.recv(4096)): out += chunk\n"
+            "print(ip, out.split(b'\\n', 1)[1].decode())\n"
+        )
+        result = await asyncio.to_thread(pod.exec, [sys.executable, "-c", script])
+    finally:
+        for f in etc.iterdir():
+            f.unlink()
+        etc.rmdir()
+    ip, _, body = result.stdout.strip().partition(" ")
+    assert ip == VIP[0], result.stdout  # answered by ztunnel from its state: no DNS server knows this name
+    assert body == "via dns"
+    await asyncio.sleep(0.2)
+    metrics = c.scrape("node1")
+    assert any(s.labels["request_protocol"] == "udp" for s in metrics["istio_dns_requests"])
+    assert any(
+        r["direction"] == "outbound" and r.get("dst.service") == "echo.default.svc.cluster.local"
+        for r in c.access("node1")
+    )
