@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -66,6 +67,18 @@ def test_proxy_runs_on_local_config_and_exits_cleanly_on_sigterm(tmp_path: Path)
         "ZTUNNEL_CA_DIR": str(tmp_path / "ca"),
         "LOG_FORMAT": "json",
     }
+    # Every listener on an address of its own, so the test never collides with anything on the default ports.
+    ip = f"127.{random.randrange(64, 250)}.{random.randrange(0, 250)}.1"
+    for var, port in (
+        ("ZTUNNEL_OUTBOUND_ADDR", 15001),
+        ("ZTUNNEL_INBOUND_ADDR", 15008),
+        ("ZTUNNEL_INBOUND_PLAINTEXT_ADDR", 15006),
+        ("ZTUNNEL_ADMIN_ADDR", 15000),
+        ("ZTUNNEL_STATS_ADDR", 15020),
+        ("ZTUNNEL_READINESS_ADDR", 15021),
+        ("ISTIO_META_DNS_PROXY_ADDR", 15053),
+    ):
+        env[var] = f"{ip}:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "ztunnel", "proxy", "ztunnel"],
         env=env,
@@ -85,7 +98,7 @@ def test_proxy_runs_on_local_config_and_exits_cleanly_on_sigterm(tmp_path: Path)
             lines.append(json.loads(line))
             if lines[-1]["message"].startswith("ztunnel started"):
                 break
-        assert any(r["message"].startswith("loaded local config: 2 workloads") for r in lines), lines
+        assert any(r["message"].startswith("loaded local config: 2 workloads") for r in lines), (lines, proc.poll())
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=20)
     finally:
