@@ -16,7 +16,7 @@ from ztunnel.testing import EchoServer, TwoNodeMesh, ZtunnelProcess
 
 def readiness(host: str) -> int:
     try:
-        with urllib.request.urlopen(f"http://{host}:15021/healthz/ready", timeout=2) as resp:  # noqa: S310
+        with urllib.request.urlopen(f"http://{host}:15021/healthz/ready", timeout=2) as resp:
             return int(resp.status)
     except urllib.error.HTTPError as e:
         return int(e.code)

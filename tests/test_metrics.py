@@ -130,9 +130,7 @@ async def test_tcp_metrics_on_both_reporters(traffic: tuple[TwoNodeMesh, int, in
     # The passthrough connection is "unknown" security policy on the source reporter, with its bytes.
     plain = [s for s in a["istio_tcp_connections_closed"] if s.labels["connection_security_policy"] == "unknown"]
     assert len(plain) == 1 and plain[0].value == 1
-    plain_recv = [
-        s.value for s in a["istio_tcp_received_bytes"] if s.labels["connection_security_policy"] == "unknown"
-    ]
+    plain_recv = [s.value for s in a["istio_tcp_received_bytes"] if s.labels["connection_security_policy"] == "unknown"]
     assert plain_recv == [1000]
     sockets = {s.labels["reporter"]: s.value for s in a["istio_tcp_sockets_open"]}
     assert sockets == {"source": 0}
