@@ -234,3 +234,71 @@ def test_dry_run_policy_never_changes_the_decision(
 ) -> None:
     dry = Authorization("dry", "ns", Scope.NAMESPACE, action, rules, dry_run=True)
     assert evaluate([*policies, dry], c) == evaluate(policies, c)
+
+
+def reference_evaluate(policies: list[Authorization], c: Connection) -> bool:
+    """Upstream's decision written directly over ``Authorization.matches`` (no compilation, no grouping)."""
+    live = [p for p in policies if not p.dry_run]
+    if any(p.matches(c) for p in live if p.action is Action.DENY):
+        return False
+    allows = [p for p in live if p.action is Action.ALLOW]
+    return not allows or any(p.matches(c) for p in allows)
+
+
+_cidr_matches = st.builds(
+    Match,
+    source_ips=st.lists(
+        st.sampled_from([parse_cidr("10.0.0.0/24"), parse_cidr("fd00::/8"), parse_cidr("10.0.0.1")]), max_size=2
+    ).map(tuple),
+    not_destination_ips=st.lists(st.sampled_from([parse_cidr("10.0.0.2"), parse_cidr("0.0.0.0/0")]), max_size=1).map(
+        tuple
+    ),
+    service_accounts=st.lists(
+        st.sampled_from([ServiceAccountMatch("ns-a", "alice"), ServiceAccountMatch("x", "y")]), max_size=1
+    ).map(tuple),
+    not_principals=st.lists(
+        st.sampled_from(
+            [StringMatch(StringMatchKind.PRESENCE), StringMatch(StringMatchKind.PREFIX, "cluster.local/ns/ns-b")]
+        ),
+        max_size=1,
+    ).map(tuple),
+)
+_any_rules = st.lists(
+    st.lists(st.lists(st.one_of(_matches, _cidr_matches), max_size=2).map(tuple), max_size=2).map(tuple), max_size=3
+).map(tuple)
+_any_policies = st.lists(
+    st.builds(
+        Authorization,
+        name=st.sampled_from(["a", "b", "c"]),
+        namespace=st.just("ns"),
+        scope=st.just(Scope.NAMESPACE),
+        action=st.sampled_from(list(Action)),
+        rules=_any_rules,
+        dry_run=st.booleans(),
+    ),
+    max_size=5,
+)
+_any_conns = st.builds(
+    conn,
+    src=st.sampled_from(["10.0.0.1", "10.0.0.9", "10.1.0.1"]),
+    dst=st.sampled_from(["10.0.0.2", "10.0.0.3"]),
+    port=st.sampled_from([80, 81, 443]),
+    identity=st.sampled_from([ALICE, Identity("cluster.local", "ns-b1", "bob"), None]),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(_any_policies, _any_conns)
+def test_compiled_plan_equals_the_reference_semantics(policies: list[Authorization], c: Connection) -> None:
+    assert evaluate(policies, c).allowed == reference_evaluate(policies, c)
+
+
+def test_plan_is_cached_until_policies_change() -> None:
+    state = ProxyState()
+    state.apply(StateUpdate(policies=[pol("allow-80", Action.ALLOW, PORT80)]))
+    plan = state.policies.plan("ns", ())
+    assert state.policies.plan("ns", ()) is plan
+    assert plan.evaluate(conn()).allowed and not plan.evaluate(conn(port=81)).allowed
+    state.apply(StateUpdate(policies=[pol("deny-80", Action.DENY, PORT80)]))
+    fresh = state.policies.plan("ns", ())
+    assert fresh is not plan and not fresh.evaluate(conn()).allowed

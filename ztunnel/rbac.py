@@ -210,43 +210,225 @@ def evaluate(
     policies: Iterable[Authorization], conn: Connection, log: logging.Logger | None = None, log_level: int = 0
 ) -> Decision:
     """Istio semantics (upstream ``state.rs::assert_rbac``): any matching DENY denies; no ALLOW policies allows;
-    a matching ALLOW allows; otherwise deny. Dry-run policies are evaluated and logged, never enforced."""
-    allow: list[Authorization] = []
-    allow_dry: list[Authorization] = []
-    deny: list[Authorization] = []
-    deny_dry: list[Authorization] = []
-    for p in policies:
-        if p.action is Action.ALLOW:
-            (allow_dry if p.dry_run else allow).append(p)
-        else:
-            (deny_dry if p.dry_run else deny).append(p)
-    say = _logger(log, log_level, conn)
-    if say is not None:
-        for p in deny_dry:
-            if p.matches(conn):
-                say("dry-run: deny policy match", p)
-        if allow_dry:
-            matched = [p for p in allow_dry if p.matches(conn)]
-            for p in matched:
-                say("dry-run: allow policy match", p)
-            if not allow and not matched:
-                # Allowed now, but would be denied if the dry-run ALLOW policies were enforced.
-                say("dry-run: no allow policies match", None)
-    for p in deny:
-        if p.matches(conn):
-            if say is not None:
-                say("deny policy match", p)
-            return Decision(False, f"explicitly denied by: {p.key}", p.key)
-    if not allow:
-        return ALLOWED
-    for p in allow:
-        if p.matches(conn):
-            if say is not None:
-                say("allow policy match", p)
+    a matching ALLOW allows; otherwise deny. Dry-run policies are evaluated and logged, never enforced.
+
+    For a policy set evaluated many times, build a :class:`Plan` once (the policy store caches them)."""
+    return Plan(policies).evaluate(conn, log, log_level)
+
+
+# -- compiled evaluation -------------------------------------------------------------------------------------------
+#
+# Evaluating ``Authorization.matches`` directly costs ~1 µs per rule in CPython: 10,000 policies of 10 rules (upstream's
+# benchmark) took 108 ms per connection. Two things make it cheap: rule sets are compiled once (sets for exact
+# strings and ports, integer masks for CIDRs), and identical rule sets, which policy generators produce in bulk, are
+# evaluated once per connection however many policies share them. A Plan (the applicable policies of one workload,
+# grouped that way) is cached by the policy store until policies change.
+
+
+class _Strings:
+    """A compiled list of StringMatch: exact values in a set, prefixes and suffixes as tuples."""
+
+    __slots__ = ("exact", "prefixes", "presence", "suffixes")
+
+    def __init__(self, matches: Sequence[StringMatch]) -> None:
+        self.exact = frozenset(m.value for m in matches if m.kind is StringMatchKind.EXACT)
+        self.prefixes = tuple(m.value for m in matches if m.kind is StringMatchKind.PREFIX)
+        self.suffixes = tuple(m.value for m in matches if m.kind is StringMatchKind.SUFFIX)
+        self.presence = any(m.kind is StringMatchKind.PRESENCE for m in matches)
+
+    def any(self, value: str | None) -> bool:
+        if value is None:
+            return False
+        return (
+            value in self.exact
+            or (self.presence and value != "")
+            or (bool(self.prefixes) and value.startswith(self.prefixes))
+            or (bool(self.suffixes) and value.endswith(self.suffixes))
+        )
+
+
+def _nets(nets: Sequence[IPNetwork]) -> tuple[tuple[int, int, int], ...]:
+    return tuple((n.version, int(n.network_address), int(n.netmask)) for n in nets)
+
+
+def _in_nets(nets: tuple[tuple[int, int, int], ...], version: int, ip: int) -> bool:
+    # A plain loop: any() over a generator costs a frame per call, and this runs per rule.
+    for v, net, mask in nets:  # noqa: SIM110
+        if v == version and ip & mask == net:
+            return True
+    return False
+
+
+class _Subject:
+    """A connection reduced to what matching reads, computed once per evaluation."""
+
+    __slots__ = ("dst", "dst_v", "namespace", "ns_sa", "port", "principal", "src", "src_v")
+
+    def __init__(self, conn: Connection) -> None:
+        ident = conn.src_identity
+        self.src_v, self.src = conn.src_ip.version, int(conn.src_ip)
+        self.dst_v, self.dst = conn.dst_ip.version, int(conn.dst_ip)
+        self.port = conn.dst_port
+        # Principals are matched without "spiffe://"; no identity means no principal at all (never matches).
+        self.principal = str(ident)[len(SPIFFE_PREFIX) :] if ident is not None else None
+        self.namespace = ident.namespace if ident is not None else ""
+        self.ns_sa = (ident.namespace, ident.service_account) if ident is not None else None
+
+
+class _CompiledMatch:
+    __slots__ = (
+        "dst",
+        "namespaces",
+        "not_dst",
+        "not_namespaces",
+        "not_ports",
+        "not_principals",
+        "not_sas",
+        "not_src",
+        "ports",
+        "principals",
+        "sas",
+        "src",
+    )
+
+    def __init__(self, m: Match) -> None:
+        self.dst, self.not_dst = _nets(m.destination_ips), _nets(m.not_destination_ips)
+        self.src, self.not_src = _nets(m.source_ips), _nets(m.not_source_ips)
+        self.ports, self.not_ports = frozenset(m.destination_ports), frozenset(m.not_destination_ports)
+        self.sas = frozenset((s.namespace, s.service_account) for s in m.service_accounts)
+        self.not_sas = frozenset((s.namespace, s.service_account) for s in m.not_service_accounts)
+        self.principals = _Strings(m.principals) if m.principals else None
+        self.not_principals = _Strings(m.not_principals) if m.not_principals else None
+        self.namespaces = _Strings(m.namespaces) if m.namespaces else None
+        self.not_namespaces = _Strings(m.not_namespaces) if m.not_namespaces else None
+
+    def matches(self, s: _Subject) -> bool:
+        # Field kinds are AND-ed (values of one kind OR-ed; a not_ list holds when none of it matches), in
+        # upstream's order: destination IPs first, which is where most non-matching rules stop.
+        if self.dst and not _in_nets(self.dst, s.dst_v, s.dst):
+            return False
+        if self.not_dst and _in_nets(self.not_dst, s.dst_v, s.dst):
+            return False
+        if self.src and not _in_nets(self.src, s.src_v, s.src):
+            return False
+        if self.not_src and _in_nets(self.not_src, s.src_v, s.src):
+            return False
+        if self.ports and s.port not in self.ports:
+            return False
+        if self.not_ports and s.port in self.not_ports:
+            return False
+        if self.sas and s.ns_sa not in self.sas:
+            return False
+        if self.not_sas and s.ns_sa in self.not_sas:
+            return False
+        if self.principals is not None and not self.principals.any(s.principal):
+            return False
+        if self.not_principals is not None and self.not_principals.any(s.principal):
+            return False
+        if self.namespaces is not None and not self.namespaces.any(s.namespace):
+            return False
+        return not (self.not_namespaces is not None and self.not_namespaces.any(s.namespace))
+
+
+class CompiledRules:
+    """A policy's rules, compiled; shared by every policy with equal rules (see :func:`compile_rules`)."""
+
+    __slots__ = ("rules",)
+
+    def __init__(self, rules: tuple[tuple[tuple[Match, ...], ...], ...]) -> None:
+        # A match with every field empty never matches (upstream skips it): drop it here. An empty clause is
+        # true, so it stays as an empty tuple; a clause whose matches were all dropped is false.
+        self.rules = tuple(
+            tuple((tuple(_CompiledMatch(m) for m in clause if not m.is_empty()), not clause) for clause in rule)
+            for rule in rules
+        )
+
+    def matches(self, s: _Subject) -> bool:
+        for rule in self.rules:
+            for matches, empty in rule:
+                if empty:
+                    continue
+                for m in matches:
+                    if m.matches(s):
+                        break
+                else:
+                    break  # no match in this clause: the rule fails
+            else:
+                return True  # every clause held
+        return False
+
+
+_interned: dict[tuple[tuple[tuple[Match, ...], ...], ...], CompiledRules] = {}
+
+
+def compile_rules(rules: tuple[tuple[tuple[Match, ...], ...], ...]) -> CompiledRules:
+    """The compiled form of ``rules``, interned: equal rule sets share one object (and one evaluation)."""
+    hit = _interned.get(rules)
+    if hit is None:
+        if len(_interned) > 100_000:
+            _interned.clear()  # bounded: rule sets no longer in use are dropped wholesale
+        hit = _interned[rules] = CompiledRules(rules)
+    return hit
+
+
+class Plan:
+    """The applicable policies of a workload, grouped for evaluation: by action and dry-run, and by rule set."""
+
+    __slots__ = ("allow", "allow_dry", "deny", "deny_dry")
+
+    def __init__(self, policies: Iterable[Authorization]) -> None:
+        groups: dict[tuple[Action, bool], dict[int, tuple[CompiledRules, list[Authorization]]]] = {
+            (Action.DENY, False): {},
+            (Action.DENY, True): {},
+            (Action.ALLOW, False): {},
+            (Action.ALLOW, True): {},
+        }
+        for p in policies:
+            compiled = compile_rules(p.rules) if p.rules else _NEVER  # no rules never matches
+            bucket = groups[(p.action, p.dry_run)]
+            entry = bucket.get(id(compiled))
+            if entry is None:
+                bucket[id(compiled)] = (compiled, [p])
+            else:
+                entry[1].append(p)
+        self.deny = list(groups[(Action.DENY, False)].values())
+        self.deny_dry = list(groups[(Action.DENY, True)].values())
+        self.allow = list(groups[(Action.ALLOW, False)].values())
+        self.allow_dry = list(groups[(Action.ALLOW, True)].values())
+
+    def evaluate(self, conn: Connection, log: logging.Logger | None = None, log_level: int = 0) -> Decision:
+        s = _Subject(conn)
+        say = _logger(log, log_level, conn)
+        if say is not None:
+            for rules, ps in self.deny_dry:
+                if rules.matches(s):
+                    for p in ps:
+                        say("dry-run: deny policy match", p)
+            if self.allow_dry:
+                matched = [p for rules, ps in self.allow_dry if rules.matches(s) for p in ps]
+                for p in matched:
+                    say("dry-run: allow policy match", p)
+                if not self.allow and not matched:
+                    # Allowed now, but would be denied if the dry-run ALLOW policies were enforced.
+                    say("dry-run: no allow policies match", None)
+        for rules, ps in self.deny:
+            if rules.matches(s):
+                if say is not None:
+                    say("deny policy match", ps[0])
+                return Decision(False, f"explicitly denied by: {ps[0].key}", ps[0].key)
+        if not self.allow:
             return ALLOWED
-    if say is not None:
-        say("no allow policies matched", None)
-    return Decision(False, NOT_ALLOWED)
+        for rules, ps in self.allow:
+            if rules.matches(s):
+                if say is not None:
+                    say("allow policy match", ps[0])
+                return ALLOWED
+        if say is not None:
+            say("no allow policies matched", None)
+        return Decision(False, NOT_ALLOWED)
+
+
+_NEVER = CompiledRules(())
 
 
 def _logger(

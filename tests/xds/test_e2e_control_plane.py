@@ -202,7 +202,10 @@ async def test_control_plane_outage_and_certificate_rotation(two_nodes: Mesh) ->
 
     # Back up on the same port: both reconnect (with backoff) and resync, echoing the versions they hold.
     await m.cp.start()
-    await wait_until(lambda: len(m.cp.sessions) >= sessions + 2, 5)  # one new stream per node
+    # One new stream per node; a session is registered when the stream opens, before its first request lands.
+    await wait_until(
+        lambda: len(m.cp.sessions) >= sessions + 2 and all(s.subscriptions for s in m.cp.sessions[sessions:]), 5
+    )
     new = m.cp.sessions[sessions:]
     assert all(s.initial_versions for s in new)
     assert any(len(s.initial_versions.get("type.googleapis.com/istio.workload.Address", {})) == 3 for s in new)

@@ -19,7 +19,7 @@ from ztunnel.identity.spiffe import Identity
 from ztunnel.metrics import Labels
 from ztunnel.proxy.common import ResponseFlag, format_addr
 from ztunnel.proxy.metrics import ConnectionMetrics, DerivedWorkload, TrafficMetrics, traffic_labels
-from ztunnel.rbac import Connection, evaluate
+from ztunnel.rbac import Connection
 from ztunnel.state import ProxyState, StateChange
 from ztunnel.state.upstream import ServiceDescription
 from ztunnel.state.workload import IPAddress, Workload
@@ -200,10 +200,8 @@ class Authorizer:
         self.log = logging.getLogger("ztunnel.rbac")
 
     def __call__(self, conn: Connection, workload: Workload) -> str | None:
-        policies = self.state.policies.for_workload(workload.namespace, workload.authorization_policies)
-        if not policies:
-            return None
-        decision = evaluate(policies, conn, self.log, self.level)
+        plan = self.state.policies.plan(workload.namespace, workload.authorization_policies)
+        decision = plan.evaluate(conn, self.log, self.level)
         return None if decision.allowed else decision.reason
 
 

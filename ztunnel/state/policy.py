@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ztunnel.rbac import Authorization, Scope
+from ztunnel.rbac import Authorization, Plan, Scope
 
 
 class PolicyStore:
     def __init__(self) -> None:
         self.by_key: dict[str, Authorization] = {}
         self._by_namespace: dict[str, dict[str, Authorization]] = {}
+        # Evaluation plans per (namespace, the workload's own policy keys); dropped whenever a policy changes.
+        self._plans: dict[tuple[str, tuple[str, ...]], Plan] = {}
 
     def __len__(self) -> int:
         return len(self.by_key)
@@ -44,8 +46,19 @@ class PolicyStore:
                 out.append(p)
         return out
 
+    def plan(self, namespace: str, workload_policies: tuple[str, ...]) -> Plan:
+        """The compiled evaluation plan for a workload (cached until the next policy change)."""
+        key = (namespace, workload_policies)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 10_000:
+                self._plans.clear()
+            plan = self._plans[key] = Plan(self.for_workload(namespace, workload_policies))
+        return plan
+
     def insert(self, policy: Authorization) -> Authorization | None:
         old = self.remove(policy.key)
+        self._plans.clear()
         self.by_key[policy.key] = policy
         index = self._index_namespace(policy)
         if index is not None:
@@ -56,6 +69,7 @@ class PolicyStore:
         old = self.by_key.pop(key, None)
         if old is None:
             return None
+        self._plans.clear()
         index = self._index_namespace(old)
         if index is not None:
             bucket = self._by_namespace.get(index)
