@@ -158,6 +158,24 @@ def test_every_variable_parsed() -> None:
     assert str(c.ztunnel_identity) == "spiffe://td.example/ns/istio-system/sa/ztunnel"
 
 
+def test_local_xds_and_on_demand() -> None:
+    c = from_env({})
+    assert (c.local_xds_path, c.local_xds, c.xds_on_demand) == (None, None, False)
+    # A path is kept as given (the file is read by the xDS layer, not here: parsing does no I/O).
+    c = from_env({"LOCAL_XDS_PATH": "examples/does-not-exist.yaml"})
+    assert c.local_xds_path == "examples/does-not-exist.yaml" and c.local_xds is None
+    inline = "workloads:\n- uid: a\n  name: a\n"
+    c = from_env({"LOCAL_XDS": inline})
+    assert c.local_xds == inline and c.local_xds_path is None
+    assert from_env({"LOCAL_XDS_PATH": "", "LOCAL_XDS": ""}).local_xds_path is None  # empty means unset
+    # On-demand xDS needs the DNS proxy off (upstream validate_config); then it parses.
+    no_dns = {"ISTIO_META_DNS_CAPTURE": "false"}
+    assert from_env({**no_dns, "XDS_ON_DEMAND": "true"}).xds_on_demand is True
+    assert from_env({**no_dns, "XDS_ON_DEMAND": "false"}).xds_on_demand is False
+    with pytest.raises(ConfigError, match="XDS_ON_DEMAND"):
+        from_env({**no_dns, "XDS_ON_DEMAND": "on"})
+
+
 @pytest.mark.parametrize(
     ("secs", "deadline"),
     [("30", 25), ("11", 6), ("10", 9), ("2", 1), ("1", 1), ("0", 1)],

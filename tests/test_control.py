@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from ztunnel.app import StartupError, build
-from ztunnel.config import AuthSource, RootCertSource, from_env
-from ztunnel.control import ControlPlaneError, auth_metadata, grpc_target, load_root_pem
+from ztunnel.config import DEFAULT_TOKEN_PROVIDER, AuthSource, RootCertSource, from_env
+from ztunnel.control import ControlPlaneError, auth_metadata, grpc_target, load_root_pem, token_path_or_static
 from ztunnel.identity.manager import SecretManager
 from ztunnel.identity.spiffe import Identity
 from ztunnel.testing.control_plane import control_plane, wait_until, ztunnel_env
@@ -41,6 +41,24 @@ def test_auth_metadata(tmp_path: Path) -> None:
     token.write_text("")
     with pytest.raises(ControlPlaneError, match="exists, but was empty"):
         auth_metadata(AuthSource(str(token)), "c1")
+
+
+def test_token_source_resolved_at_call_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The file check happens here (control.py), not when the config is parsed: a token file may appear later.
+    monkeypatch.chdir(tmp_path)
+    token = tmp_path / "token"
+    auth = AuthSource(str(token))
+    assert token_path_or_static(auth) == (None, str(token))  # no such file (yet): the value is the token itself
+    token.write_text("jwt")
+    assert token_path_or_static(auth) == (str(token), None)
+    # Unset AUTH_TOKEN: the default projected-token file when it exists, else no token at all.
+    assert token_path_or_static(AuthSource(None)) == (None, None)
+    assert auth_metadata(AuthSource(None), "c1") == []
+    default = tmp_path / DEFAULT_TOKEN_PROVIDER
+    default.parent.mkdir(parents=True)
+    default.write_text("projected\n")
+    assert token_path_or_static(AuthSource(None)) == (DEFAULT_TOKEN_PROVIDER, None)
+    assert auth_metadata(AuthSource(None), "c1") == [("authorization", "Bearer projected"), ("clusterid", "c1")]
 
 
 def test_grpc_target() -> None:

@@ -19,7 +19,6 @@ import enum
 import ipaddress
 import json
 import math
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -139,14 +138,6 @@ class AuthSource:
     """
 
     value: str | None
-
-    def token_path_or_static(self) -> tuple[str | None, str | None]:
-        """(path, static token) — resolved at call time because the file may appear or rotate later."""
-        if self.value is None:
-            return (DEFAULT_TOKEN_PROVIDER if os.path.exists(DEFAULT_TOKEN_PROVIDER) else None), None
-        if os.path.exists(self.value):
-            return self.value, None
-        return None, self.value
 
 
 @dataclass(frozen=True, slots=True)

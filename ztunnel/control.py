@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from ztunnel.config import AuthSource, RootCertKind, RootCertSource
+from ztunnel.config import DEFAULT_TOKEN_PROVIDER, AuthSource, RootCertKind, RootCertSource
 
 __all__ = [
     "MAX_MESSAGE_SIZE",
@@ -34,6 +34,7 @@ __all__ = [
     "load_root_pem",
     "root_cert_file",
     "secure_channel",
+    "token_path_or_static",
 ]
 
 MAX_MESSAGE_SIZE = 200 * 1024 * 1024
@@ -79,12 +80,25 @@ def load_root_pem(source: RootCertSource, variable: str) -> bytes | None:
     )
 
 
+def token_path_or_static(auth: AuthSource) -> tuple[str | None, str | None]:
+    """(token file, static token) for ``AUTH_TOKEN``, resolved at call time: the file may appear or rotate later.
+
+    An unset ``AUTH_TOKEN`` uses the default token file when it exists (else no token); a value naming an existing
+    file is that file; any other value is the token itself.
+    """
+    if auth.value is None:
+        return (DEFAULT_TOKEN_PROVIDER if os.path.exists(DEFAULT_TOKEN_PROVIDER) else None), None
+    if os.path.exists(auth.value):
+        return auth.value, None
+    return None, auth.value
+
+
 def auth_metadata(auth: AuthSource, cluster_id: str) -> list[tuple[str, str]]:
     """``authorization`` and ``clusterid`` headers for one call (none when no token is configured).
 
     The token file is read on every call: Kubernetes rotates projected tokens in place.
     """
-    path, static = auth.token_path_or_static()
+    path, static = token_path_or_static(auth)
     if path is not None:
         try:
             token = Path(path).read_text(encoding="utf-8").strip()
