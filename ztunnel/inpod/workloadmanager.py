@@ -2,10 +2,11 @@
 ``inpod/workloadmanager.rs``).
 
 Connect (SOCK_SEQPACKET) to ``INPOD_UDS``, send ``ZdsHello{V1}``, then answer every request with an ack (a NACK
-carries the error). A connection failure or a lost connection is retried with backoff, 10 ms doubling to 15 s;
-each new connection starts a new snapshot, and running proxies stay until it is reconciled. Readiness
-("workload proxy manager") is held until a snapshot was processed and no proxy is pending, and again whenever the
-connection is lost. A protocol error is NACKed, then ztunnel exits with status 1, as upstream.
+carries the error). A connection failure or a lost connection is retried with backoff, 10 ms doubling to 15 s,
+back to 10 ms once a snapshot has been processed; each new connection starts a new snapshot, and running proxies
+stay until it is reconciled. Readiness ("workload proxy manager") is held until a snapshot was processed and no
+proxy is pending, and again whenever the connection is lost. A protocol error is NACKed, then ztunnel exits with
+status 1, as upstream.
 
 Metrics (unstable, upstream names): ``workload_manager_active_proxy_count``, ``..._pending_proxy_count``,
 ``..._proxies_started_total``, ``..._proxies_stopped_total``.
@@ -19,7 +20,7 @@ import contextlib
 import errno
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from ztunnel.inpod.protocol import MAX_PACKET, ZdsMessageError, ack, decode, hello
 from ztunnel.inpod.statemanager import ProtocolError, ProxyStartError, WorkloadProxyManagerState
@@ -49,6 +50,8 @@ class WorkloadProxyManager:
         readiness: Readiness,
         registry: Registry | None = None,
         on_protocol_error: Callable[[str], None] | None = None,
+        *,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.path = path
         self.state = state
@@ -57,6 +60,7 @@ class WorkloadProxyManager:
         self.on_protocol_error = on_protocol_error
         self.connections = 0
         self.backoff = INITIAL_BACKOFF
+        self._sleep = sleep  # the reconnect wait (tests pass a recorder)
         self._sock: socket.socket | None = None
         state.on_change = self._state_changed
         self._gauges: tuple[Child, Child, Child, Child] | None = None
@@ -90,6 +94,9 @@ class WorkloadProxyManager:
             started.value = st.started
             stopped.value = st.stopped
         if st.ready:
+            # In sync with the agent: the next disconnect starts again at 10 ms (upstream resets its backoff in
+            # mark_ready). Not on a bare connect: an agent that accepts and drops us keeps backing off.
+            self.backoff = INITIAL_BACKOFF
             if self._block is not None:
                 self._block.release()
                 self._block = None
@@ -102,8 +109,7 @@ class WorkloadProxyManager:
         try:
             while True:
                 try:
-                    await self._serve_once()
-                    self.backoff = INITIAL_BACKOFF
+                    await self._serve_once()  # returns only by raising: the connection is lost or broken
                 except ProtocolError as e:
                     log.error("ZDS protocol error: %s; exiting", e)
                     if self.on_protocol_error is not None:
@@ -112,7 +118,7 @@ class WorkloadProxyManager:
                 except (OSError, ZdsConnectionLost) as e:
                     log.warning("ZDS connection to %s: %s; retrying in %s", self.path, e, _fmt(self.backoff))
                 self.state.reset_snapshot()
-                await asyncio.sleep(self.backoff)
+                await self._sleep(self.backoff)
                 self.backoff = min(self.backoff * 2, MAX_BACKOFF)
         finally:
             retry.cancel()
