@@ -257,7 +257,7 @@ class Inbound:
     def _on_request(self, conn: HboneTransport, ev: ConnectRequested) -> None:
         stream = HboneStream(conn, ev.stream_id)
         conn.handlers[ev.stream_id] = stream
-        self.pi.tasks.spawn(self._serve(conn, stream, ev), "inbound stream")
+        stream.setup = self.pi.tasks.spawn(self._serve(conn, stream, ev), "inbound stream")
 
     async def _serve(self, conn: HboneTransport, stream: HboneStream, ev: ConnectRequested) -> None:
         pi = self.pi

@@ -232,6 +232,9 @@ class HboneStream:
         self.bytes_from_plain = 0
         self._held = 0  # received while the plaintext socket could not take more: window not yet released
         self._early: list[bytes] = []  # data that arrived before a plaintext socket was attached
+        # Server role: the task authorizing and connecting this stream. A peer that resets the stream first (or
+        # loses the connection) cancels it, so a rapid-reset loop costs no backend connections.
+        self.setup: asyncio.Task[None] | None = None
 
     # -- setup -------------------------------------------------------------------------------------------------
 
@@ -393,6 +396,8 @@ class HboneStream:
         if self.done:
             return
         self.done = True
+        if self.setup is not None and self.plain is None:
+            self.setup.cancel()
         if self._on_done is not None:
             self._on_done(self)
         self.conn.detach(self.stream_id)

@@ -46,6 +46,9 @@ log = logging.getLogger("ztunnel.proxy.h2")
 PING_INTERVAL = 10.0
 PING_TIMEOUT = 20.0
 HANDSHAKE_TIMEOUT = 10.0
+# A closing connection whose peer does not read what is left to send (a GOAWAY, the last DATA) is dropped after
+# this long rather than holding its socket and buffers forever.
+CLOSE_TIMEOUT = 5.0
 WRITE_HIGH_WATER = 1024 * 1024
 WRITE_LOW_WATER = 256 * 1024
 _CIPHER_BUFFER_MIN = 16 * 1024
@@ -226,8 +229,12 @@ class HboneTransport(asyncio.BufferedProtocol):
                 if got < size:
                     break
         except HboneProtocolError as e:
+            # The core queued a GOAWAY with the error code: send it, then close politely so it is read.
+            self._dispatching = False
+            log.warning("closing HTTP/2 connection from %s: %s", _format_peer(self.peer), e)
             self.flush()
-            self.abort(str(e))
+            self.close(f"HTTP/2 protocol error: {e}")
+            return
         finally:
             self._dispatching = False
         if not self.closed:
@@ -370,6 +377,8 @@ class HboneTransport(asyncio.BufferedProtocol):
         self._lost(reason)
         if self.transport is not None:
             self.transport.close()
+            if self.transport.get_write_buffer_size():
+                asyncio.get_running_loop().call_later(CLOSE_TIMEOUT, self.transport.abort)
 
     def abort(self, reason: str) -> None:
         """Close at once (protocol error, timeout, failed verification)."""
@@ -391,6 +400,13 @@ class HboneTransport(asyncio.BufferedProtocol):
             h.on_connection_lost(reason)
         if self._on_closed is not None:
             self._on_closed(self)
+
+
+def _format_peer(peer: tuple[str, int] | None) -> str:
+    if peer is None:
+        return "an unknown peer"
+    host, port = peer[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _ssl_reason(e: BaseException) -> str:

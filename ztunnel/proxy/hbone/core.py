@@ -35,7 +35,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import struct
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import h2.config
@@ -51,9 +52,20 @@ _WINDOW_UPDATE = struct.Struct(">IBII")
 _GOAWAY = struct.Struct(">IBIII")
 FRAME_HEADER_SIZE = 9
 DATA = 0x0
+HEADERS = 0x1
+PRIORITY = 0x2
+RST_STREAM = 0x3
+SETTINGS = 0x4
+PING = 0x6
 GOAWAY = 0x7
+CONTINUATION = 0x9
 FLAG_END_STREAM = 0x1
+FLAG_ACK = 0x1
+FLAG_END_HEADERS = 0x4
 FLAG_PADDED = 0x8
+# How many recently reset stream ids are remembered, so DATA the peer had in flight when we reset them is not
+# mistaken for abuse (one stream window, 4 MiB, can be hundreds of frames).
+_RECENT_RESETS = 256
 _PREFACE_SIZE = 24
 # Receive buffers start small and grow with traffic: an idle connection should cost little memory, a busy one
 # should read a socket's worth (256 KiB) per call.
@@ -87,6 +99,50 @@ class Settings:
 
 CLIENT_SETTINGS = Settings(max_header_list_size=16 * 1024)
 SERVER_SETTINGS = Settings(max_concurrent_streams=200, max_header_list_size=64 * 1024)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a peer may make this side do for nothing; past it the connection ends with GOAWAY ENHANCE_YOUR_CALM.
+
+    HTTP/2 lets a peer cost us work without sending any payload: frames we must answer (PING, SETTINGS), frames we
+    must parse and drop (PRIORITY, unknown types, empty DATA, CONTINUATION), streams opened and reset before they
+    are served (CVE-2023-44487, "rapid reset"), and frames on closed streams that we answer with RST_STREAM. Legit
+    peers send few of these: upstream ztunnel PINGs once per 10 s per connection, and SETTINGS once or twice.
+    """
+
+    # Payload-free frames: a token bucket of 200 that refills at 50/s (so a burst of 200, then 50/s sustained;
+    # a keepalive needs 0.1/s).
+    control_frame_burst: int = 200
+    control_frames_per_second: float = 50.0
+    # Rapid reset, with Envoy's numbers (overload.premature_reset_total_stream_count = 500): once a connection has
+    # opened 500 streams, half or more of them reset by the peer before we answered closes it.
+    premature_reset_min_streams: int = 500
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class _Budget:
+    """A token bucket refilled lazily: the clock is read only when the tokens run out, not per frame."""
+
+    __slots__ = ("burst", "clock", "rate", "stamp", "tokens")
+
+    def __init__(self, burst: int, rate: float, clock: Callable[[], float]) -> None:
+        self.burst = burst
+        self.rate = rate
+        self.clock = clock
+        self.tokens = float(burst)
+        self.stamp = clock()
+
+    def spend(self) -> bool:
+        self.tokens -= 1
+        if self.tokens >= 0:
+            return True
+        now = self.clock()
+        self.tokens = min(float(self.burst), self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        return self.tokens >= 0
 
 
 # -- events (past tense) -----------------------------------------------------------------------------------------
@@ -195,14 +251,33 @@ class _Stream:
     remote_closed: bool = False
     local_closed: bool = False
     held: int = 0  # released by the consumer while the window update is being batched
+    responded: bool = False  # server: response headers sent (a reset before that is "premature")
 
 
 class HboneConnection:
     """One HBONE HTTP/2 connection, client or server role. No I/O: bytes and buffers in, events and bytes out."""
 
-    def __init__(self, client_side: bool, settings: Settings | None = None) -> None:
+    def __init__(
+        self,
+        client_side: bool,
+        settings: Settings | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.client_side = client_side
         self.settings = settings or (CLIENT_SETTINGS if client_side else SERVER_SETTINGS)
+        self.limits = limits
+        self._control = _Budget(limits.control_frame_burst, limits.control_frames_per_second, clock)
+        # A compressed header block is never larger than the header list it decodes to (HPACK spends at most ~8
+        # bytes of framing per field, the list size counts 32), plus HEADERS padding (256) and priority (5).
+        self._header_block_limit = self.settings.max_header_list_size + 261
+        self._header_block = -1  # bytes of the header block being received; -1: none open
+        # Streams reset recently, insertion-ordered and bounded by _RECENT_RESETS: by us (DATA still in flight on
+        # them is expected) and by the peer (one RST_STREAM per stream is normal, more is a flood).
+        self._reset_by_us: dict[int, None] = {}
+        self._reset_by_peer: dict[int, None] = {}
+        self.streams_opened = 0  # by the peer (server role)
+        self.premature_resets = 0
         config = h2.config.H2Configuration(
             client_side=client_side,
             header_encoding=None,
@@ -252,6 +327,8 @@ class HboneConnection:
         if s.max_concurrent_streams is not None:
             local[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = s.max_concurrent_streams
         self.h2.local_settings = h2.settings.Settings(client=self.client_side, initial_values=local)
+        # h2 applies a header list limit to its HPACK decoder only on a SETTINGS ACK; ours is in force at once.
+        self.h2.decoder.max_header_list_size = s.max_header_list_size
         self.h2.initiate_connection()
         # h2 only applies a bigger inbound frame limit once the peer ACKs our SETTINGS; frames it parses (all but
         # DATA) may legitimately be that large as soon as the peer has seen them, so accept them from the start.
@@ -336,12 +413,25 @@ class HboneConnection:
                 if h2_from >= 0:
                     events.extend(self._to_h2(view[h2_from:pos]))
                     h2_from = -1
+                if length == 0 and not flags & FLAG_END_STREAM:
+                    self._spend("empty DATA frames")
                 pos = self._start_data(events, pos, length, flags, stream_id)
                 continue
+            if ftype in (HEADERS, CONTINUATION) and max(self._header_block, 0) + length > self._header_block_limit:
+                # Checked on the frame header, before buffering a frame that may be up to 1 MiB.
+                self._fail(
+                    f"header block over {self._header_block_limit} bytes (SETTINGS_MAX_HEADER_LIST_SIZE "
+                    f"{self.settings.max_header_list_size})",
+                    ErrorCode.ENHANCE_YOUR_CALM,
+                )
             # A whole non-DATA frame (or DATA for a stream h2 must answer) goes to h2.
             if end - pos < FRAME_HEADER_SIZE + length:
                 self._need = FRAME_HEADER_SIZE + length
                 break
+            if ftype != DATA:
+                self._account(ftype, flags, length, stream_id)
+            elif stream_id not in self._reset_by_us:
+                self._spend("DATA frames on closed streams")
             if ftype == GOAWAY and stream_id == 0 and length >= 8:
                 # Handled here, not by h2: h2 moves its state machine to CLOSED on a received GOAWAY and then
                 # refuses to send anything (END_STREAM, RST_STREAM, a response), while a graceful GOAWAY lets the
@@ -360,6 +450,39 @@ class HboneConnection:
         self._start = pos
         self._send_window_updates()
         return events
+
+    def _account(self, ftype: int, flags: int, length: int, stream_id: int) -> None:
+        """Charge a complete control frame to the abuse budgets (see :class:`Limits`)."""
+        if ftype == HEADERS:
+            self._header_block = -1 if flags & FLAG_END_HEADERS else length
+        elif ftype == CONTINUATION:
+            if self._header_block >= 0:  # else h2 rejects the stray CONTINUATION itself
+                self._header_block = -1 if flags & FLAG_END_HEADERS else self._header_block + length
+            if length == 0:
+                self._spend("empty CONTINUATION frames")
+        elif ftype in (PING, SETTINGS):
+            if not flags & FLAG_ACK:
+                self._spend("PING frames" if ftype == PING else "SETTINGS frames")
+        elif ftype == PRIORITY:
+            self._spend("PRIORITY frames")
+        elif ftype == RST_STREAM:
+            # The stream may not be open yet (h2 sees its HEADERS later in this read), so "closed" is judged by
+            # whether the peer already reset it.
+            if stream_id in self._reset_by_peer:
+                self._spend("RST_STREAM frames on closed streams")
+            else:
+                _remember(self._reset_by_peer, stream_id)
+        elif ftype > CONTINUATION:
+            self._spend("frames of unknown type")
+
+    def _spend(self, what: str) -> None:
+        if not self._control.spend():
+            lim = self.limits
+            self._fail(
+                f"flood of {what}: over {lim.control_frame_burst} payload-free frames at once or "
+                f"{lim.control_frames_per_second:g}/s sustained",
+                ErrorCode.ENHANCE_YOUR_CALM,
+            )
 
     def _goaway_frame(self, payload: memoryview) -> GoAwayReceived:
         last, code = struct.unpack_from(">II", payload)
@@ -448,6 +571,7 @@ class HboneConnection:
                     continue
                 headers = _decode_headers(ev.headers)
                 self.streams[ev.stream_id] = _Stream(recv_window=self.settings.stream_window)
+                self.streams_opened += 1
                 out.append(
                     ConnectRequested(ev.stream_id, headers.pop(":method", ""), headers.pop(":authority", ""), headers)
                 )
@@ -465,7 +589,9 @@ class HboneConnection:
                 self._remote_closed(ev.stream_id)
                 out.append(StreamEnded(ev.stream_id))
             elif isinstance(ev, h2.events.StreamReset):
-                self.streams.pop(ev.stream_id, None)
+                st = self.streams.pop(ev.stream_id, None)
+                if st is not None and not self.client_side and not st.responded:
+                    self._premature_reset()
                 out.append(StreamReset(ev.stream_id, int(ev.error_code or 0)))
             elif isinstance(ev, h2.events.WindowUpdated):
                 out.append(WindowOpened(ev.stream_id or 0))
@@ -487,6 +613,15 @@ class HboneConnection:
             # TrailersReceived, PriorityUpdated, SettingsAcknowledged, ... need nothing from a tunnel.
         return out
 
+    def _premature_reset(self) -> None:
+        self.premature_resets += 1
+        opened = self.streams_opened
+        if opened >= self.limits.premature_reset_min_streams and self.premature_resets * 2 >= opened:
+            self._fail(
+                f"rapid reset: {self.premature_resets} of {opened} streams reset by the peer before they were answered",
+                ErrorCode.ENHANCE_YOUR_CALM,
+            )
+
     def _remote_closed(self, stream_id: int) -> None:
         st = self.streams.get(stream_id)
         if st is not None:
@@ -502,6 +637,8 @@ class HboneConnection:
     def _fail_stream(self, stream_id: int, code: ErrorCode) -> None:
         # The frame's bytes are still consumed (and counted against the connection window) by the caller.
         self.streams.pop(stream_id, None)
+        _remember(self._reset_by_us, stream_id)
+        self._spend("stream errors")  # each one costs us a RST_STREAM
         with contextlib.suppress(h2.exceptions.ProtocolError):
             self.h2.reset_stream(stream_id, error_code=code)
 
@@ -561,6 +698,9 @@ class HboneConnection:
             # The client reset the stream (or the connection closed) while we were deciding: nothing to answer.
             self.streams.pop(stream_id, None)
             return
+        st = self.streams.get(stream_id)
+        if st is not None:
+            st.responded = True
         if end_stream:
             self._local_closed(stream_id)
 
@@ -601,6 +741,7 @@ class HboneConnection:
 
     def reset_stream(self, stream_id: int, code: ErrorCode = ErrorCode.CANCEL) -> None:
         self.streams.pop(stream_id, None)
+        _remember(self._reset_by_us, stream_id)
         with contextlib.suppress(h2.exceptions.ProtocolError):  # a stream or connection already closed
             self.h2.reset_stream(stream_id, error_code=code)
 
@@ -638,6 +779,12 @@ class HboneConnection:
             pending += self._out
             self._out = bytearray()
         return pending
+
+
+def _remember(recent: dict[int, None], stream_id: int) -> None:
+    recent[stream_id] = None
+    if len(recent) > _RECENT_RESETS:
+        del recent[next(iter(recent))]
 
 
 def _decode_headers(raw: Iterable[tuple[bytes | str, bytes | str]]) -> dict[str, str]:
