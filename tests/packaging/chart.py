@@ -3,7 +3,7 @@
 Helm is helm-python-sdk (Helm's Go SDK as a shared library, from PyPI): ``lint`` is ``helm lint`` and
 ``Chart.render`` is ``helm template`` (values coalesced with the defaults and checked against values.schema.json).
 It and kubernetes-validate are imported lazily, so this module loads (and mypy checks it) without them; the tests
-skip with a reason when they are missing.
+skip with a reason when they are missing (fail, with ``ZTUNNEL_PACKAGING_TESTS=require``).
 
 The two checks everything else builds on:
 
@@ -47,6 +47,20 @@ DOWNWARD_API = {
 # resolved against the image's working directory; see image_paths()).
 SOCKET_DIR = "/var/run/ztunnel"
 
+# What upstream's chart renders for the volumes ztunnel reads (istio/istio 86c9f01fd735,
+# manifests/charts/ztunnel/templates/daemonset.yaml); contract_violations holds every render to these.
+UPSTREAM_TOKEN = {"path": "istio-token", "expirationSeconds": 43200, "audience": "istio-ca"}
+# configMap name: trustBundleName | default "istio-ca-root-cert"; with env.ENABLE_CLUSTER_TRUST_BUNDLE_API=true a
+# projected clusterTrustBundle "istio.io:istiod-ca:" + (trustBundleName | default "root-cert"), path root-cert.pem.
+UPSTREAM_ROOT_CERT_CONFIGMAP = "istio-ca-root-cert"
+UPSTREAM_TRUST_BUNDLE_PREFIX = "istio.io:istiod-ca:"
+UPSTREAM_TRUST_BUNDLE_DEFAULT = "root-cert"
+# hostPath type: "ideally this would be a socket, but istio-cni may not have started yet".
+UPSTREAM_SOCKET_HOSTPATH_TYPE = "DirectoryOrCreate"
+# peerCaCrl.enabled: the optional istio-ca-crl ConfigMap, read-only, at the directory of CRL_PATH.
+UPSTREAM_CRL_PATH = "/var/run/secrets/istio/crl/ca-crl.pem"
+UPSTREAM_CRL_CONFIGMAP = "istio-ca-crl"
+
 
 def helm() -> Any:
     return importlib.import_module("helm_python")
@@ -68,16 +82,34 @@ def load_values(path: Path | None) -> dict[str, Any] | None:
     return values
 
 
-def render(values: dict[str, Any] | None, chart: Path = CHART) -> list[dict[str, Any]]:
-    """``helm template ztunnel <chart> -n istio-system [-f values]``: the rendered objects, in template order."""
+def effective_values(values: dict[str, Any] | None, chart: Path = CHART) -> dict[str, Any]:
+    """The chart's values.yaml with ``values`` over it (top-level keys replaced, enough for the keys read here)."""
+    defaults = load_values(chart / "values.yaml") or {}
+    return {**defaults, **(values or {})}
+
+
+def _render_templates(values: dict[str, Any] | None, chart: Path) -> dict[str, str]:
     with helm().Chart.load(chart) as loaded:
         manifests: dict[str, str] = loaded.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    return manifests
+
+
+def render(values: dict[str, Any] | None, chart: Path = CHART) -> list[dict[str, Any]]:
+    """``helm template ztunnel <chart> -n istio-system [-f values]``: the rendered objects, in template order."""
+    manifests = _render_templates(values, chart)
     docs: list[dict[str, Any]] = []
     for template in sorted(manifests):
         if not template.endswith((".yaml", ".yml")):
-            continue  # NOTES.txt
+            continue  # NOTES.txt: render_notes()
         docs.extend(d for d in yaml.safe_load_all(manifests[template]) if d)
     return docs
+
+
+def render_notes(values: dict[str, Any] | None, chart: Path = CHART) -> str:
+    """The rendered NOTES.txt, what ``helm install`` prints."""
+    manifests = _render_templates(values, chart)
+    (notes,) = [text for name, text in manifests.items() if name.endswith("/NOTES.txt")]
+    return notes
 
 
 def lint(values: dict[str, Any] | None, chart: Path = CHART, kube_version: str | None = None) -> list[str]:
@@ -246,9 +278,16 @@ def image_paths(workdir: str) -> dict[str, str]:
     }
 
 
-def contract_violations(docs: list[dict[str, Any]], workdir: str = "/") -> list[str]:
-    """Everything the rendered DaemonSet must do for ztunnel, as upstream's chart does; [] when all hold."""
+def contract_violations(
+    docs: list[dict[str, Any]], workdir: str = "/", values: dict[str, Any] | None = None
+) -> list[str]:
+    """Everything the rendered DaemonSet must do for ztunnel, as upstream's chart does; [] when all hold.
+
+    ``values`` are the values the render was given (the chart's defaults fill the rest): they decide which root
+    certificate source and which CRL mount upstream's chart would render.
+    """
     problems: list[str] = []
+    vals = effective_values(values)
 
     def check(ok: bool, message: str) -> None:
         if not ok:
@@ -292,19 +331,32 @@ def contract_violations(docs: list[dict[str, Any]], workdir: str = "/") -> list[
     paths = image_paths(workdir)
     cert_dir, cert_file = posixpath.split(paths["root_cert"])
     cert_volume = volumes.get(mounts.get(cert_dir, ""), {})
-    check(
-        "configMap" in cert_volume or "projected" in cert_volume,
-        f"{cert_dir} (holding {cert_file}, ztunnel's default root certificate) is not mounted from a ConfigMap",
-    )
+    bundle = str(vals.get("trustBundleName") or "")
+    if str((vals.get("env") or {}).get("ENABLE_CLUSTER_TRUST_BUNDLE_API")).lower() == "true":
+        want = {
+            "name": UPSTREAM_TRUST_BUNDLE_PREFIX + (bundle or UPSTREAM_TRUST_BUNDLE_DEFAULT),
+            "path": cert_file,
+        }
+        got = cert_volume.get("projected", {}).get("sources")
+        check(
+            got == [{"clusterTrustBundle": want}],
+            f"{cert_dir} (holding {cert_file}, ztunnel's default root certificate) is {got!r}, not the projected "
+            f"clusterTrustBundle {want!r} (ENABLE_CLUSTER_TRUST_BUNDLE_API=true)",
+        )
+    else:
+        name = bundle or UPSTREAM_ROOT_CERT_CONFIGMAP
+        check(
+            cert_volume.get("configMap", {}).get("name") == name,
+            f"{cert_dir} (holding {cert_file}, ztunnel's default root certificate) is not mounted from the "
+            f"ConfigMap {name}",
+        )
     token_dir, token_file = posixpath.split(paths["token"])
-    token_sources = [
-        s["serviceAccountToken"]
-        for s in volumes.get(mounts.get(token_dir, ""), {}).get("projected", {}).get("sources", [])
-        if "serviceAccountToken" in s
-    ]
+    want_token = {**UPSTREAM_TOKEN, "path": token_file}
+    token_sources = volumes.get(mounts.get(token_dir, ""), {}).get("projected", {}).get("sources")
     check(
-        any(t.get("audience") == "istio-ca" and t.get("path") == token_file for t in token_sources),
-        f"{token_dir}/{token_file} is not a projected service-account token with audience istio-ca",
+        token_sources == [{"serviceAccountToken": want_token}],
+        f"{token_dir}/{token_file} is {token_sources!r}, not the projected service-account token {want_token!r} "
+        "(audience istio-ca)",
     )
     socket_dir, _ = posixpath.split(paths["socket"])
     host = volumes.get(mounts.get(socket_dir, ""), {}).get("hostPath", {})
@@ -312,7 +364,27 @@ def contract_violations(docs: list[dict[str, Any]], workdir: str = "/") -> list[
         host.get("path") == SOCKET_DIR and socket_dir == SOCKET_DIR,
         f"{socket_dir} (INPOD_UDS) is not the node's {SOCKET_DIR} hostPath shared with istio-cni",
     )
+    check(
+        host.get("type") == UPSTREAM_SOCKET_HOSTPATH_TYPE,
+        f"hostPath {SOCKET_DIR} has type {host.get('type')!r}, not {UPSTREAM_SOCKET_HOSTPATH_TYPE} "
+        "(istio-cni may not have created it yet)",
+    )
     check("emptyDir" in volumes.get(mounts.get("/tmp", ""), {}), "/tmp is not an emptyDir")
+
+    if (vals.get("peerCaCrl") or {}).get("enabled"):
+        crl_path = env.get("CRL_PATH", {}).get("value")
+        check(crl_path == UPSTREAM_CRL_PATH, f"env CRL_PATH={crl_path!r}, not upstream's {UPSTREAM_CRL_PATH}")
+        crl_dir = posixpath.dirname(str(crl_path))
+        crl_mount = [m for m in container.get("volumeMounts", []) if m["mountPath"] == crl_dir]
+        crl_volume = volumes.get(crl_mount[0]["name"] if crl_mount else "", {})
+        check(
+            bool(crl_mount) and crl_mount[0].get("readOnly") is True,
+            f"{crl_dir} (CRL_PATH) is not a read-only mount",
+        )
+        check(
+            crl_volume.get("configMap") == {"name": UPSTREAM_CRL_CONFIGMAP, "optional": True},
+            f"{crl_dir} (CRL_PATH) is not the optional ConfigMap {UPSTREAM_CRL_CONFIGMAP}",
+        )
 
     for name, field in DOWNWARD_API.items():
         source = env.get(name, {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
