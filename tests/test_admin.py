@@ -119,3 +119,56 @@ async def test_quitquitquit_drains_and_stops(tmp_path: Path) -> None:
 def test_schema_rejects_a_broken_dump() -> None:
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"workloads": [{"uid": 1}]}, SCHEMA)
+
+
+def _dump_with(workload_state: dict[str, Any]) -> dict[str, Any]:
+    empty: dict[str, Any] = {"workloads": [], "services": [], "policies": [], "stagedServices": {}}
+    config = {"proxyMode": "Shared", "inboundAddr": "[::]:15008", "clusterId": "Kubernetes"}
+    return {**empty, "staticConfig": None, "version": {}, "config": config, "certificates": [], **workload_state}
+
+
+INFO = {"name": "name", "namespace": "ns", "serviceAccount": "sa"}
+UP: dict[str, Any] = {
+    "state": "Up",
+    "info": INFO,
+    "connections": {
+        "inbound": [{"src": "10.0.1.2:40000", "originalDst": None, "actualDst": "10.0.2.2:8080", "protocol": "TCP"}],
+        "outbound": [
+            {
+                "src": "[fd00::2]:40001",
+                "originalDst": "[fd00::9]:80",
+                "actualDst": "[fd00::3]:15008",
+                "protocol": "HBONE",
+            }
+        ],
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {},
+        # upstream inpod/admin.rs test_proxy_state, verbatim: a pending proxy has no connections yet
+        json.loads('{"uid1":{"info":{"name":"name","namespace":"ns","serviceAccount":"sa"},"state":"Pending"}}'),
+        {"uid1": UP},
+    ],
+)
+def test_schema_accepts_upstreams_workload_state(state: dict[str, Any]) -> None:
+    jsonschema.validate(_dump_with({"workloadState": state}), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {**UP, "state": "Running"},
+        {"state": "Pending", "info": INFO, "connections": {"inbound": [], "outbound": []}},
+        {"state": "Up", "info": INFO},  # an Up proxy shows its connection manager
+        {**UP, "info": {"name": "name", "namespace": "ns"}},
+        {**UP, "connections": {"inbound": ["10.0.1.2:40000->10.0.2.2:8080"], "outbound": []}},
+        {**UP, "connections": {"inbound": [], "outbound": [{**UP["connections"]["outbound"][0], "protocol": "h2"}]}},
+    ],
+)
+def test_schema_rejects_a_malformed_workload_state(entry: dict[str, Any]) -> None:
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(_dump_with({"workloadState": {"uid1": entry}}), SCHEMA)

@@ -58,6 +58,7 @@ async def test_sigterm_drains_then_forces(tmp_path: Path) -> None:
         assert code == 0
         log = (tmp_path / "a.log").read_text()
         assert "drain duration expired with pending connections" in log
+        assert "connection closed due to connection drain" in log  # the stuck one's access log line, as upstream
         for w in (finishing_w, stuck_w):
             w.close()
             with contextlib.suppress(ConnectionError):
@@ -77,3 +78,45 @@ async def test_drain_with_no_connections_exits_at_once(tmp_path: Path) -> None:
     assert await asyncio.to_thread(node.proc.wait, 10) == 0
     assert time.monotonic() - start < 3
     node.stop()
+
+
+async def test_second_sigint_exits_at_once(tmp_path: Path) -> None:
+    """A second SIGINT during a graceful drain exits without sitting out the deadline (upstream ``signal.rs``);
+    the connection still open is closed, and its access log line says the drain closed it."""
+    deadline = 30.0
+    m = TwoNodeMesh(tmp_path)
+    echo = await EchoServer().start(*m.server_app)
+    node_b = ZtunnelProcess(m.env_b(), tmp_path / "b.log").start()
+    node_a = ZtunnelProcess(m.env_a(CONNECTION_TERMINATION_DEADLINE=f"{deadline:g}s"), tmp_path / "a.log").start()
+    try:
+        reader, writer = await m.socks5()
+        writer.write(b"a" * 1000)
+        await reader.readexactly(1000)
+        assert node_a.proc is not None
+        node_a.proc.send_signal(signal.SIGINT)
+        await asyncio.sleep(0.5)
+        # The first SIGINT drains gracefully: the open connection keeps the process running.
+        assert node_a.proc.poll() is None
+        assert await asyncio.to_thread(readiness, m.node_a) == 500
+        start = time.monotonic()
+        node_a.proc.send_signal(signal.SIGINT)
+        code = await asyncio.to_thread(node_a.proc.wait, deadline)
+        elapsed = time.monotonic() - start
+        assert code == 0
+        assert elapsed < deadline / 5, elapsed  # "immediately": nowhere near the 30 s the drain would have taken
+        try:
+            rest = await asyncio.wait_for(reader.read(), deadline / 5)
+        except ConnectionResetError:
+            rest = b""
+        assert rest == b""
+        log = (tmp_path / "a.log").read_text()
+        assert "received second SIGINT, exiting immediately" in log
+        assert "drain duration expired" not in log
+        assert "connection closed due to connection drain" in log
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    finally:
+        node_a.stop()
+        node_b.stop()
+        await echo.stop()

@@ -1,4 +1,5 @@
-"""Istio metrics after real traffic through two ztunnels, parsed with prometheus-client's parser."""
+"""Istio metrics after real traffic through two ztunnels, parsed with prometheus-client's OpenMetrics parser (the
+body is OpenMetrics text whatever the Content-Type, as upstream's)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
+from ztunnel.metrics import Registry, encode
 from ztunnel.testing import EchoServer, TwoNodeMesh, running_app
 
 STABLE = {
@@ -111,8 +113,10 @@ async def test_tcp_metrics_on_both_reporters(traffic: tuple[TwoNodeMesh, int, in
     assert list(la) == LABEL_ORDER
     assert la["reporter"] == "source"
     assert la["source_workload"] == "client" and la["source_workload_namespace"] == "default"
-    assert la["source_principal"] == "unknown"  # the source reporter does not claim an mTLS peer identity
+    # Over HBONE the source reporter claims the identity it presents (upstream conn_metrics_from_request).
+    assert la["source_principal"] == "spiffe://cluster.local/ns/default/sa/client"
     assert la["destination_principal"] == "spiffe://cluster.local/ns/default/sa/server"
+    assert la["connection_security_policy"] == "mutual_tls"
     assert la["destination_service"] == "echo.default.svc.cluster.local"
     assert la["destination_service_name"] == "echo" and la["destination_service_namespace"] == "default"
     assert la["destination_canonical_service"] == "echo" and la["destination_version"] == "v1"
@@ -130,6 +134,11 @@ async def test_tcp_metrics_on_both_reporters(traffic: tuple[TwoNodeMesh, int, in
     # The passthrough connection is "unknown" security policy on the source reporter, with its bytes.
     plain = [s for s in a["istio_tcp_connections_closed"] if s.labels["connection_security_policy"] == "unknown"]
     assert len(plain) == 1 and plain[0].value == 1
+    # ... with no source principal (plain TCP presents no certificate); the destination, a TCP workload known to
+    # xDS, is still named with its identity, as upstream's with_destination does for any known workload.
+    pl = plain[0].labels
+    assert pl["source_principal"] == "unknown" and pl["source_workload"] == "client"
+    assert pl["destination_principal"] == "spiffe://cluster.local/ns/default/sa/plain"
     plain_recv = [s.value for s in a["istio_tcp_received_bytes"] if s.labels["connection_security_policy"] == "unknown"]
     assert plain_recv == [1000]
     sockets = {s.labels["reporter"]: s.value for s in a["istio_tcp_sockets_open"]}
@@ -142,11 +151,43 @@ async def test_stats_exist_stable_set_and_unstable_help(traffic: tuple[TwoNodeMe
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     stable = {n for n, f in fams.items() if "unstable" not in f.documentation}
     assert stable == STABLE
-    assert "istio_tcp_connections_failed" in fams and "unstable" in fams["istio_tcp_connections_failed"].documentation
+    # Upstream's prometheus-client leaves out families without series: no failure happened, so no failed family.
+    assert "istio_tcp_connections_failed" not in fams
+    assert all(f.samples for f in fams.values())
+    assert "unstable" in fams["istio_tcp_sockets_open"].documentation
     assert not any(s.name.endswith("_created") for f in fams.values() for s in f.samples)
     build = fams["istio_build"].samples[0]
     assert build.labels["component"] == "ztunnel" and build.value == 1
-    assert headers["Content-Type"].startswith("text/plain")
+    assert headers["Content-Type"] == "text/plain; charset=utf-8"  # upstream's, exactly
+    assert text.endswith("# EOF\n")
+
+
+@pytest.mark.parametrize(
+    ("accept", "content_type"),
+    [
+        # upstream metrics/server.rs test_content_type, case by case
+        ("", "text/plain; charset=utf-8"),
+        ("application/json", "text/plain; charset=utf-8"),
+        ("application/openmetrics-text; other stuff", "application/openmetrics-text;charset=utf-8;version=1.0.0"),
+        (
+            "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited;q=0.6,"
+            "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+            "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.3,"
+            "text/plain;version=0.0.4;q=0.2,*/*;q=0.1",
+            "application/openmetrics-text;charset=utf-8;version=1.0.0",
+        ),
+    ],
+)
+def test_content_type_as_upstream(accept: str, content_type: str) -> None:
+    registry = Registry()
+    body, headers = encode(registry, accept)
+    assert headers == {"Content-Type": content_type}
+
+    # The body is the same OpenMetrics text whichever Content-Type labels it (but for the live fd count).
+    def stable_lines(text: bytes) -> list[bytes]:
+        return [line for line in text.splitlines() if not line.startswith(b"process_open_fds ")]
+
+    assert stable_lines(body) == stable_lines(encode(registry)[0]) and body.endswith(b"# EOF\n")
 
 
 async def test_openmetrics_and_gzip(traffic: tuple[TwoNodeMesh, int, int]) -> None:
@@ -154,7 +195,7 @@ async def test_openmetrics_and_gzip(traffic: tuple[TwoNodeMesh, int, int]) -> No
     text, headers = await asyncio.to_thread(
         scrape, m.node_a, "/stats/prometheus", {"Accept": "application/openmetrics-text", "Accept-Encoding": "gzip"}
     )
-    assert headers["Content-Type"].startswith("application/openmetrics-text")
+    assert headers["Content-Type"] == "application/openmetrics-text;charset=utf-8;version=1.0.0"
     assert headers.get("Content-Encoding") == "gzip"
     assert text.rstrip().endswith("# EOF")
 

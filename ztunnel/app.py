@@ -192,6 +192,12 @@ class App:
                 if records.metrics is not None:
                     self.traffic.flush(records.metrics, records.bytes_sent(), records.bytes_recv())
 
+    async def _force_pods(self, pods: list[PodProxies]) -> None:
+        """Each pod drains on a drain of its own: a second SIGINT during the drain must reach them too."""
+        await self.drain.wait_forced()
+        for pp in pods:
+            pp.proxy.pi.drain.force()
+
     def _fatal(self, reason: str) -> None:
         """A ZDS protocol error: ztunnel exits 1 (upstream), without a grace period."""
         self.exit_code = 1
@@ -224,8 +230,8 @@ class App:
             if isinstance(pod.proxies, PodProxies):
                 conns = list(pod.proxies.proxy.pi.connections)
                 entry["connections"] = {
-                    d.value: [f"{format_addr(*c.src)}->{format_addr(*c.dst)}" for c in conns if c.direction is d]
-                    for d in Direction
+                    "inbound": [_inbound_dump(c) for c in conns if c.direction is Direction.INBOUND],
+                    "outbound": [_outbound_dump(c) for c in conns if c.direction is Direction.OUTBOUND],
                 }
             out[uid] = entry
         return out
@@ -308,16 +314,18 @@ class App:
         if proxy is not None:
             proxy.drain()
             if not await proxy.wait_idle(deadline):
-                log.warning("drain duration expired with pending connections, forcefully shutting down")
-                self.drain.force()
-                proxy.force_close("drain deadline expired")
+                if not self.drain.forced:  # else a second SIGINT said so, and was logged
+                    log.warning("drain duration expired with pending connections, forcefully shutting down")
+                    self.drain.force()
+                proxy.force_close()
             await proxy.pi.tasks.cancel_all(timeout=1.0)
         if self.inpod_state is not None:
             if self.inpod_task is not None:
                 self.inpod_task.cancel()  # stop talking ZDS first: no new pods during the drain
-            for pod in self.inpod_state.pods.values():
-                if isinstance(pod.proxies, PodProxies):
-                    pod.proxies.deadline = deadline
+            pods = [p.proxies for p in self.inpod_state.pods.values() if isinstance(p.proxies, PodProxies)]
+            for pp in pods:
+                pp.deadline = deadline
+            self.tasks.spawn(self._force_pods(pods), "force pod drains")
             await self.inpod_state.drain()
         await self.tasks.cancel_all(timeout=1.0)
         for server in (self.readiness_server, self.stats_server):
@@ -328,6 +336,30 @@ class App:
         if self.admin_server is not None:
             await self.admin_server.stop()
         log.info("shutdown complete")
+
+
+def _inbound_dump(c: ConnectionRecord) -> dict[str, Any]:
+    """Upstream's ``InboundConnectionDump``: what policy saw (client -> pod ip:target port), the service named by
+    the client if any, and HBONE (an mTLS peer) or TCP (15006)."""
+    src, dst = c.src, c.dst
+    if c.rbac is not None:
+        src, dst = (c.rbac.src_ip, c.rbac.src_port), (c.rbac.dst_ip, c.rbac.dst_port)
+    return {
+        "src": format_addr(*src),
+        "originalDst": c.dst_service.hostname if c.dst_service is not None else None,
+        "actualDst": format_addr(*dst),
+        "protocol": "HBONE" if c.src_identity is not None else "TCP",
+    }
+
+
+def _outbound_dump(c: ConnectionRecord) -> dict[str, Any]:
+    """Upstream's ``OutboundConnection``: where the client was going, and where (and how) ztunnel sent it."""
+    return {
+        "src": format_addr(*c.src),
+        "originalDst": format_addr(*(c.original_dst or c.dst)),
+        "actualDst": format_addr(*c.dst),
+        "protocol": "HBONE" if c.mtls else "TCP",
+    }
 
 
 def build(config: Config) -> App:

@@ -150,8 +150,10 @@ def _process_fds() -> Iterator[Metric]:
 # -- encoding and the 15020 server -------------------------------------------------------------------------------
 
 OPENMETRICS = "application/openmetrics-text"
-OPENMETRICS_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
-PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Upstream's two Content-Types, byte for byte (``metrics/server.rs::content_type``). The body is OpenMetrics text
+# either way, as upstream's prometheus-client writes it; only the header follows the Accept header.
+OPENMETRICS_TYPE = "application/openmetrics-text;charset=utf-8;version=1.0.0"
+PLAINTEXT_TYPE = "text/plain; charset=utf-8"
 
 
 def _escape_help(text: str) -> str:
@@ -168,22 +170,21 @@ def _number(v: float) -> str:
     return repr(float(v))
 
 
-def _write(metrics: Iterable[Metric], openmetrics: bool) -> bytes:
-    """Text exposition with labels in the order they were given.
+def _write(metrics: Iterable[Metric]) -> bytes:
+    """OpenMetrics text exposition with labels in the order they were given.
 
     prometheus-client's encoders sort label names; upstream writes CommonTrafficLabels in struct order, which
-    dashboards and diffs of scrapes rely on, so the (small) writer is our own. Both formats parse with any
-    Prometheus parser.
+    dashboards and diffs of scrapes rely on, so the (small) writer is our own. As upstream's prometheus-client
+    (0.24.1+), a family with no series is left out entirely (no HELP/TYPE lines).
     """
     out: list[str] = []
     for m in metrics:
-        if not m.samples and m.type != "counter":
+        if not m.samples:
             continue
-        # Prometheus 0.0.4 names a counter family by its sample name; OpenMetrics by the name without _total.
-        family = m.name + "_total" if m.type == "counter" and not openmetrics else m.name
+        family = m.name  # OpenMetrics names a counter family without _total; its samples carry it
         out.append(f"# HELP {family} {_escape_help(m.documentation)}\n")
         out.append(f"# TYPE {family} {m.type}\n")
-        if openmetrics and m.unit:
+        if m.unit:
             out.append(f"# UNIT {family} {m.unit}\n")
         for s in m.samples:
             if s.labels:
@@ -191,25 +192,27 @@ def _write(metrics: Iterable[Metric], openmetrics: bool) -> bytes:
                 out.append(f"{s.name}{{{labels}}} {_number(s.value)}\n")
             else:
                 out.append(f"{s.name} {_number(s.value)}\n")
-    if openmetrics:
-        out.append("# EOF\n")
+    out.append("# EOF\n")
     return "".join(out).encode()
 
 
-def encode(registry: Registry, accept: str = "", accept_encoding: str = "") -> tuple[bytes, dict[str, str]]:
-    """The scrape body and headers: OpenMetrics when asked for, else Prometheus text; gzip when accepted.
+def wants_openmetrics(accept: str) -> bool:
+    """Upstream's Accept check: some media range (``,``-separated, parameters after ``;``) is OpenMetrics."""
+    return any(r.split(";", 1)[0].strip().lower() == OPENMETRICS for r in accept.split(","))
 
-    No ``_created`` series are written (upstream has none).
+
+def encode(registry: Registry, accept: str = "", accept_encoding: str = "") -> tuple[bytes, dict[str, str]]:
+    """The scrape body and headers: OpenMetrics text, labelled as such when the Accept header asks for it and as
+    ``text/plain`` otherwise (upstream); gzip when accepted. No ``_created`` series are written (upstream has none).
     """
-    openmetrics = OPENMETRICS in accept
     metrics = list(registry.collect())
     for extra in registry.extra:
         for m in extra.collect():
             # prometheus-client adds a _created sample per counter; upstream exports none.
             m.samples = [s for s in m.samples if not s.name.endswith("_created")]
             metrics.append(m)
-    body = _write(metrics, openmetrics)
-    headers = {"Content-Type": OPENMETRICS_TYPE if openmetrics else PROMETHEUS_TYPE}
+    body = _write(metrics)
+    headers = {"Content-Type": OPENMETRICS_TYPE if wants_openmetrics(accept) else PLAINTEXT_TYPE}
     if "gzip" in accept_encoding:
         body = gzip.compress(body)
         headers["Content-Encoding"] = "gzip"
@@ -232,7 +235,9 @@ class StatsServer:
 
         async def metrics(request: web.Request) -> web.Response:
             body, headers = encode(
-                self.registry, request.headers.get("Accept", ""), request.headers.get("Accept-Encoding", "")
+                self.registry,
+                ",".join(request.headers.getall("Accept", ())),
+                request.headers.get("Accept-Encoding", ""),
             )
             return web.Response(body=body, headers=headers)
 

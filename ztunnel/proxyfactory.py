@@ -108,7 +108,7 @@ class PodProxies:
         pi.drain.start(DrainMode.IMMEDIATE if immediate else DrainMode.GRACEFUL)
         self.proxy.drain()
         if immediate or not await self.proxy.wait_idle(self.deadline):
-            self.proxy.force_close("pod deleted" if immediate else "drain deadline expired")
+            self.proxy.force_close()  # upstream logs these as closed by the drain, whatever the cause
         pi.local.close()
         await pi.tasks.cancel_all(timeout=1.0)
         log.info("proxy for %s/%s stopped", self.info.namespace, self.info.name)

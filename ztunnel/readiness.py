@@ -69,18 +69,25 @@ class ReadinessServer:
     async def start(self, addr: SocketAddress) -> None:
         from aiohttp import web
 
+        # As upstream's readiness/server.rs: the two answers are ``text/plain`` (no charset); 405 for any other
+        # method and 404 for any other path come with empty bodies.
         async def ready(request: web.Request) -> web.Response:
             if request.method != "GET":
-                return web.Response(status=405, text="method not allowed\n")
+                return web.Response(status=405)
             if self.readiness.ready:
-                return web.Response(text="ready\n")
+                return web.Response(body=b"ready\n", content_type="text/plain")
             pending = self.readiness.pending()
             if self.readiness.draining:
-                pending = [*pending, "draining"]
-            return web.Response(status=500, text=f"not ready, pending: {', '.join(pending)}\n")
+                pending = sorted([*pending, "draining"])
+            body = f"not ready, pending: {', '.join(pending)}\n".encode()
+            return web.Response(status=500, body=body, content_type="text/plain")
+
+        async def not_found(request: web.Request) -> web.Response:
+            return web.Response(status=404)
 
         app = web.Application()
         app.router.add_route("*", "/healthz/ready", ready)
+        app.router.add_route("*", "/{path:.*}", not_found)
         self._http = HttpServer(app)
         await self._http.start(addr)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from ztunnel.inpod.nodeagent import PodInfo, ZdsServer
 from ztunnel.testing import netns as tn

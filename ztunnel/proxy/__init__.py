@@ -7,10 +7,11 @@ connection ``pool``, the ``relay``, and the ``hbone`` package (the sans-IO HTTP/
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from ztunnel.proxy.common import ProxyInputs
-from ztunnel.proxy.connection_manager import Authorizer, PolicyWatcher
+from ztunnel.proxy.connection_manager import CLOSED_FROM_DRAIN, Authorizer, PolicyWatcher
 from ztunnel.proxy.inbound import Inbound
 from ztunnel.proxy.inbound_passthrough import InboundPassthrough
 from ztunnel.proxy.outbound import Outbound
@@ -64,16 +65,21 @@ class Proxy:
         self.pi.pool.close()
 
     async def wait_idle(self, timeout: float) -> bool:
-        """Wait until every tracked connection closed; False if some were still open at ``timeout``."""
+        """Wait until every tracked connection closed; False if some were still open at ``timeout``, or the drain
+        was forced first (a second SIGINT: "exit immediately" must not sit out the rest of the deadline)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        drain = self.pi.drain
         while len(self.pi.connections) or len(self.pi.tasks):
-            if loop.time() >= deadline:
+            left = deadline - loop.time()
+            if left <= 0 or drain.forced:
                 return False
-            await asyncio.sleep(0.05)
+            # Poll the (cheap) counts every 50 ms, but wake at once when the drain is forced.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(drain.wait_forced(), min(left, 0.05))
         return True
 
-    def force_close(self, reason: str) -> None:
+    def force_close(self, reason: str = CLOSED_FROM_DRAIN) -> None:
         self.pi.connections.close_all(reason)
         self.pi.pool.abort(reason)
         for conn in list(self.inbound.connections):

@@ -27,6 +27,9 @@ from ztunnel.telemetry import log as log_fields
 
 access = logging.getLogger("access")
 
+# Upstream's ``Error::ClosedFromDrain``: what the access log says of a connection the drain had to close.
+CLOSED_FROM_DRAIN = "connection closed due to connection drain"
+
 
 class Direction(enum.Enum):
     INBOUND = "inbound"
@@ -41,6 +44,7 @@ class ConnectionRecord:
     src: tuple[IPAddress, int]
     dst: tuple[IPAddress, int]  # the L4 next hop (inbound: the address dialled on 15008)
     hbone_target: str | None = None  # the :authority, when HBONE
+    original_dst: tuple[IPAddress, int] | None = None  # outbound: where the client was going (before load balancing)
     src_identity: Identity | None = None
     dst_identity: Identity | None = None
     src_workload: Workload | None = None
@@ -165,8 +169,15 @@ class ConnectionManager:
         if record.closer is not None:
             record.closer(reason)
 
-    def close_all(self, reason: str) -> None:
+    def close_all(self, reason: str = CLOSED_FROM_DRAIN) -> None:
+        """Close every connection now (a drain that ran out of time, a deleted pod, a second SIGINT).
+
+        Each access log line reports ``reason`` with no response flag, as upstream records a connection dropped by
+        its drain (``ClosedFromDrain``); a connection already being closed for another reason keeps that one.
+        """
         for record in list(self._open.values()):
+            if record.forced is None:
+                record.forced = (ResponseFlag.NONE, reason)
             if record.closer is not None:
                 try:
                     record.closer(reason)

@@ -40,6 +40,7 @@ from ztunnel.proxy.common import (
     new_traceparent,
 )
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
+from ztunnel.proxy.metrics import DerivedWorkload
 from ztunnel.proxy.pool import WorkloadKey
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.sockets import (
@@ -263,7 +264,11 @@ class Outbound:
                 src_workload=source,
                 dst_workload=dst_wl,
                 dst_service=req.intended_destination_service,
+                # Over HBONE we present the source's certificate, so the source reporter claims that identity as
+                # source_principal (upstream ``conn_metrics_from_request``); plain TCP claims none.
+                derived_source=DerivedWorkload(identity=source.identity) if hbone else None,
                 mtls=hbone,
+                original_dst=dst,
             )
             if hbone:
                 await self._hbone(plain, src, req, record, ready)
