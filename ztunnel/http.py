@@ -13,6 +13,19 @@ from ztunnel.config import SocketAddress
 from ztunnel.sockets import SocketConfig, SocketFactory
 
 
+def _answer_bad_requests_in_http11() -> None:
+    """A request aiohttp cannot parse (plaintext garbage, TLS to a plain port) is answered from a placeholder
+    request that says HTTP/1.0, so the status line reads ``HTTP/1.0 400``. Upstream's hyper answers
+    ``HTTP/1.1 400``, and clients check it (upstream's ``malicious_calls_inpod`` reads exactly that on 15020 and
+    15021): make the placeholder HTTP/1.1. Process-wide, idempotent; only aiohttp servers are affected."""
+    from aiohttp import web_protocol
+    from aiohttp.http import HttpVersion11
+
+    placeholder = getattr(web_protocol, "ERROR", None)
+    if placeholder is not None and placeholder.version != HttpVersion11:
+        web_protocol.ERROR = placeholder._replace(version=HttpVersion11)
+
+
 class HttpServer:
     """An aiohttp application served on every socket of one :class:`SocketAddress`."""
 
@@ -28,6 +41,7 @@ class HttpServer:
     async def start(self, addr: SocketAddress) -> None:
         from aiohttp import web
 
+        _answer_bad_requests_in_http11()
         socks = SocketFactory(SocketConfig()).listeners(addr)
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self._runner.setup()

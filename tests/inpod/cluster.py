@@ -11,10 +11,10 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
@@ -39,6 +39,7 @@ services:
    ports: {{80: 8080}}}}
 """
 VIP = ("10.96.0.10", 80)
+T = TypeVar("T")
 MARKER = b"MARKER-7f3a9c-NEVER-IN-CLEAR"
 
 
@@ -213,6 +214,24 @@ async def running_cluster(topo: tn.Topology, tmp_path: Path, dns: bool) -> Async
             await agent.stop()
         for lst in listeners:
             lst.close()
+
+
+def metric_sum(samples: list[Any], **labels: str) -> float:
+    """The sum of the samples whose labels include ``labels`` (upstream's ``query_sum``)."""
+    return float(sum(s.value for s in samples if all(s.labels.get(k) == v for k, v in labels.items())))
+
+
+async def eventually(check: Callable[[], T], timeout: float = 5.0) -> T:
+    """``check()``'s result once it stops raising AssertionError (metrics and access records land a moment after
+    the client saw EOF: the server side closes last); its last error after ``timeout``."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            return await asyncio.to_thread(check)
+        except AssertionError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+        await asyncio.sleep(0.05)
 
 
 def peer_and_body(reply: bytes) -> tuple[str, bytes]:

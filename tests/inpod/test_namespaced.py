@@ -14,10 +14,45 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-from tests.inpod.cluster import MARKER, VIP, Cluster, cluster, dns_cluster, peer_and_body, topology
+from tests.inpod.cluster import (
+    MARKER,
+    VIP,
+    Cluster,
+    cluster,
+    dns_cluster,
+    eventually,
+    metric_sum,
+    peer_and_body,
+    topology,
+)
 
 __all__ = ["cluster", "dns_cluster", "topology"]  # fixtures
+
+CLIENT_ID = "spiffe://cluster.local/ns/default/sa/client"
+SERVER_ID = "spiffe://cluster.local/ns/default/sa/server"
+MTLS = {"connection_security_policy": "mutual_tls", "request_protocol": "tcp", "response_flags": "-"}
+
+
+def assert_traffic(
+    metrics: dict[str, list[Any]], labels: dict[str, str], sent: int, received: int, count: int = 1
+) -> None:
+    """Upstream's ``verify_metrics``: ``count`` connections opened and closed, and the bytes, with ``labels``.
+    ``received`` is client->server and ``sent`` server->client for both reporters (Istio's convention)."""
+    got = {
+        name: metric_sum(metrics.get(f"istio_tcp_{name}", []), **labels)
+        for name in ("connections_opened", "connections_closed", "received_bytes", "sent_bytes")
+    }
+    want = {"connections_opened": count, "connections_closed": count, "received_bytes": received, "sent_bytes": sent}
+    assert got == want, labels
+
+
+def one_record(records: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+    """The single access record whose fields include ``fields``."""
+    found = [r for r in records if all(r.get(k) == v for k, v in fields.items())]
+    assert len(found) == 1, (fields, records)
+    return found[0]
 
 
 async def test_cross_node_captured_pair(cluster: Cluster) -> None:
@@ -48,42 +83,70 @@ async def test_cross_node_captured_pair(cluster: Cluster) -> None:
 
 async def test_same_node_captured_pair(cluster: Cluster) -> None:
     c = cluster
-    reply = await asyncio.to_thread(c.call, "client", c.pods["server-a"].ip, 8080, b"same node")
-    assert peer_and_body(reply) == (c.pods["client"].ip, b"same node")
-    await asyncio.sleep(0.2)
-    directions = {
-        r["direction"] for r in c.access("node1") if r.get("dst.hbone_addr", "").startswith(c.pods["server-a"].ip)
-    }
-    assert directions == {"inbound", "outbound"}  # both ends on node1's ztunnel, still HBONE between the pods
+    payload = b"same node"
+    reply = await asyncio.to_thread(c.call, "client", c.pods["server-a"].ip, 8080, payload)
+    assert peer_and_body(reply) == (c.pods["client"].ip, payload)
+
+    def check() -> None:
+        directions = {
+            r["direction"] for r in c.access("node1") if r.get("dst.hbone_addr") == f"{c.pods['server-a'].ip}:8080"
+        }
+        assert directions == {"inbound", "outbound"}  # both ends on node1's ztunnel, still HBONE between the pods
+        # Both reporters on the one ztunnel, each with both identities (upstream's local_captured_inpod).
+        m = c.scrape("node1")
+        peers = {"source_workload": "client", "destination_workload": "server"}
+        ids = {"source_principal": CLIENT_ID, "destination_principal": SERVER_ID}
+        for reporter in ("source", "destination"):
+            assert_traffic(m, {"reporter": reporter, **MTLS, **peers, **ids}, len(reply), len(payload))
+        assert metric_sum(c.scrape("node2").get("istio_tcp_connections_opened", [])) == 0  # node2 saw nothing
+
+    await eventually(check)
 
 
 async def test_captured_client_to_uncaptured_server(cluster: Cluster) -> None:
     c = cluster
-    reply = await asyncio.to_thread(c.call, "client", c.pods["plain"].ip, 8080, b"to a plain server")
-    assert peer_and_body(reply)[1] == b"to a plain server"
-    await asyncio.sleep(0.2)
-    src = c.scrape("node1")
-    plain = [
-        s
-        for s in src["istio_tcp_connections_closed"]
-        if s.labels["connection_security_policy"] == "unknown" and s.labels["reporter"] == "source"
-    ]
-    assert plain and plain[0].labels["destination_workload"] == "unknown"  # a TCP workload: passthrough
+    payload = b"to a plain server"
+    reply = await asyncio.to_thread(c.call, "client", c.pods["plain"].ip, 8080, payload)
+    assert peer_and_body(reply)[1] == payload
+
+    def check() -> dict[str, Any]:
+        src = c.scrape("node1")
+        # Plain TCP to a TCP-protocol workload: no mTLS, so no source principal (the destination's identity is
+        # still known from xDS); "plain" has no workloadName in the mesh config, hence destination_workload unknown.
+        labels = {"reporter": "source", "connection_security_policy": "unknown", "source_principal": "unknown"}
+        labels |= {"source_workload": "client", "destination_workload": "unknown"}
+        assert_traffic(src, labels, len(reply), len(payload))
+        return one_record(c.access("node1"), direction="outbound", **{"dst.addr": f"{c.pods['plain'].ip}:8080"})
+
+    record = await eventually(check)
+    # Upstream's server_uncaptured_inpod access record: the names, the bytes, and no identities (no mTLS).
+    assert record["src.workload"] == "client" and record["dst.workload"] == "plain"
+    assert record["src.addr"].startswith(c.pods["client"].ip + ":")
+    assert (record["bytes_sent"], record["bytes_recv"]) == (len(payload), len(reply))
+    assert not {"src.identity", "dst.identity", "dst.hbone_addr"} & record.keys(), record
+    assert c.access("node2") == []  # the plain pod has no ztunnel in its path
 
 
 async def test_uncaptured_client_to_captured_server(cluster: Cluster) -> None:
     c = cluster
-    reply = await asyncio.to_thread(c.call, "plain", c.pods["server-b"].ip, 8080, b"from outside the mesh")
+    payload = b"from outside the mesh"
+    reply = await asyncio.to_thread(c.call, "plain", c.pods["server-b"].ip, 8080, payload)
     peer, body = peer_and_body(reply)
-    assert body == b"from outside the mesh" and peer == c.pods["plain"].ip
-    await asyncio.sleep(0.2)
-    dest = c.scrape("node2")
-    passthrough = [
-        s
-        for s in dest["istio_tcp_connections_opened"]
-        if s.labels["reporter"] == "destination" and s.labels["connection_security_policy"] == "unknown"
-    ]
-    assert passthrough  # 15006: plaintext inbound, policy-checked, no identity
+    assert body == payload and peer == c.pods["plain"].ip
+
+    def check() -> dict[str, Any]:
+        dest = c.scrape("node2")
+        # 15006: plaintext inbound, policy-checked, no identity on either side.
+        labels = {"reporter": "destination", "connection_security_policy": "unknown", "source_principal": "unknown"}
+        assert_traffic(dest, {**labels, "destination_workload": "server"}, len(reply), len(payload))
+        return one_record(c.access("node2"), direction="inbound")
+
+    record = await eventually(check)
+    assert record["src.workload"] == "plain" and record["dst.workload"] == "server-b"
+    assert record["src.addr"].startswith(c.pods["plain"].ip + ":")
+    assert record["dst.addr"] == f"{c.pods['server-b'].ip}:8080"  # the app's address: no HBONE hop
+    assert (record["bytes_sent"], record["bytes_recv"]) == (len(reply), len(payload))
+    assert not {"src.identity", "dst.identity", "dst.hbone_addr"} & record.keys(), record
 
 
 async def test_service_vip_load_balanced_across_nodes(cluster: Cluster) -> None:
@@ -97,13 +160,35 @@ async def test_service_vip_load_balanced_across_nodes(cluster: Cluster) -> None:
         peers.add(peer)
         servers.append(reply.decode())
     assert peers == {c.pods["client"].ip}
-    await asyncio.sleep(0.3)
-    hbone_targets = {
-        r["dst.hbone_addr"].split(":")[0]
-        for r in c.access("node1")
-        if r["direction"] == "outbound" and r.get("dst.service") == "echo.default.svc.cluster.local"
+    sent = sum(len(r) for r in servers)
+    received = sum(len(f"req {i}") for i in range(24))
+    svc = {
+        "destination_service": "echo.default.svc.cluster.local",
+        "destination_service_name": "echo",
+        "destination_service_namespace": "default",
     }
-    assert hbone_targets == {c.pods["server-a"].ip, c.pods["server-b"].ip}
+
+    def check() -> None:
+        hbone_targets = {
+            r["dst.hbone_addr"].split(":")[0]
+            for r in c.access("node1")
+            if r["direction"] == "outbound" and r.get("dst.service") == "echo.default.svc.cluster.local"
+        }
+        assert hbone_targets == {c.pods["server-a"].ip, c.pods["server-b"].ip}
+        # The source reports every connection against the service; each node's destination reporter its share.
+        node1, node2 = c.scrape("node1"), c.scrape("node2")
+        ids = {"source_principal": CLIENT_ID, "destination_principal": SERVER_ID}
+        assert_traffic(node1, {"reporter": "source", **MTLS, **svc, **ids}, sent, received, count=24)
+        shares = [
+            metric_sum(m["istio_tcp_connections_closed"], reporter="destination", **MTLS, **svc, **ids)
+            for m in (node1, node2)
+        ]
+        assert sum(shares) == 24 and min(shares) > 0, shares
+        assert sum(metric_sum(m["istio_tcp_received_bytes"], reporter="destination") for m in (node1, node2)) == (
+            received
+        )
+
+    await eventually(check)
 
 
 async def test_no_cleartext_on_the_node_link(cluster: Cluster) -> None:
@@ -132,22 +217,69 @@ async def test_no_cleartext_on_the_node_link(cluster: Cluster) -> None:
     assert b"\x16\x03" in captured  # TLS handshake records
 
 
-async def test_calls_to_ztunnel_ports_are_refused(cluster: Cluster) -> None:
-    c = cluster
+# Upstream's malicious_calls_test outcomes: the connect fails; it connects but the request fails (closed or reset
+# with nothing relayed back: no loop through ztunnel); or it connects and gets an HTTP error.
+CONNECTION, REQUEST, HTTP = "connection", "request", "http"
+PROBE = b"hello world\r\n\r\n"
 
-    def attempt(port: int) -> bytes | str:
+
+def probe(host: str, port: int) -> str:
+    """Upstream's send_traffic: connect (1 s), send PROBE, read as many bytes back (1 s). The outcome, or what
+    went wrong."""
+    try:
+        s = socket.create_connection((host, port), timeout=1)
+    except OSError:
+        return CONNECTION
+    with s:
+        got = b""
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=3) as s:
-                s.sendall(b"loop?")
-                s.shutdown(socket.SHUT_WR)
-                return s.recv(100)
-        except OSError as e:
-            return f"{type(e).__name__}:{e.errno}:{e}"
+            s.sendall(PROBE)
+            while len(got) < len(PROBE) and (chunk := s.recv(len(PROBE) - len(got))):
+                got += chunk
+        except TimeoutError:
+            return f"hung: {got!r}"  # a loop or a stall: upstream's 1 s timeout fails the test
+        except OSError:
+            return REQUEST if not got else f"reset after {got!r}"
+        if got == b"":
+            return REQUEST
+        return HTTP if got.startswith(b"HTTP/1.1 400") else f"got {got!r}"
 
-    for port in (15001, 15006, 15008):
-        result = await asyncio.to_thread(c.pods["client"].run, attempt, port)
-        # Refused, reset or closed: never relayed anywhere (nothing echoed back).
-        assert result == b"" or isinstance(result, str), (port, result)
+
+async def test_calls_to_ztunnel_ports_are_refused(cluster: Cluster) -> None:
+    """Upstream's ``malicious_calls_inpod``: from a captured pod to its node's ztunnel, to itself and to localhost,
+    and from an uncaptured pod to the node and to the captured pod, on every ztunnel port. Nothing loops, nothing
+    is relayed; only the stats and readiness ports answer (HTTP/1.1 400 to plaintext garbage, as hyper does)."""
+    c = cluster
+    zt, ourself, localhost = c.nodes["node1"].ip, c.pods["client"].ip, "127.0.0.1"
+    captured = {
+        # Captured to the node: outbound passthrough to the node, where nothing of ztunnel's listens on 15001,
+        # 15006, 15008 (no self listener), 15080; admin 15000 is localhost-only; 15020/15021 answer HTTP 400.
+        **{(zt, p): REQUEST for p in (15001, 15006, 15008, 15080, 15000)},
+        (zt, 15020): HTTP,
+        (zt, 15021): HTTP,
+        # To itself or to localhost: the pod's own ztunnel listeners take the call and refuse it (recursive call,
+        # or not TLS on 15008); nothing else of ztunnel's is in the pod (SOCKS5 is off).
+        **{(h, p): REQUEST for h in (ourself, localhost) for p in (15001, 15006, 15008)},
+        **{(h, p): CONNECTION for h in (ourself, localhost) for p in (15080, 15000, 15020, 15021)},
+    }
+    uncaptured = {
+        # Upstream expects a Request failure on the node's 15008 because its test ztunnel has the "self" HBONE
+        # listener (POD_NAME/POD_NAMESPACE/SERVICE_ACCOUNT set); ours has none, so nothing listens there.
+        **{(zt, p): CONNECTION for p in (15001, 15006, 15008, 15080, 15000)},
+        (zt, 15020): HTTP,
+        (zt, 15021): HTTP,
+        # To the captured pod: all taken as inbound plaintext (15008 by the HBONE listener), then closed.
+        **{(ourself, p): REQUEST for p in (15001, 15006, 15008, 15080, 15000, 15020, 15021)},
+    }
+    for pod, cases in (("client", captured), ("plain", uncaptured)):
+        got = {(h, p): await asyncio.to_thread(c.pods[pod].run, probe, h, p) for h, p in cases}
+        assert got == cases, pod
+    # Every call ztunnel took ended in an error (refused, recursive call, not TLS): none was relayed anywhere,
+    # and each made one record per hop, not a stream of them (a loop).
+    records = c.access("node1") + c.access("node2")
+    assert records and all(r["level"] == "error" for r in records), records
+    assert len(records) < len(captured) + len(uncaptured), records
+    assert "attempted recursive call to ourselves" in c.logs["node1"].read_text()
 
 
 async def test_pod_dns_answered_by_ztunnel_then_hbone(dns_cluster: Cluster) -> None:
