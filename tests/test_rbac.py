@@ -302,3 +302,129 @@ def test_plan_is_cached_until_policies_change() -> None:
     state.apply(StateUpdate(policies=[pol("deny-80", Action.DENY, PORT80)]))
     fresh = state.policies.plan("ns", ())
     assert fresh is not plan and not fresh.evaluate(conn()).allowed
+
+
+# -- the match table, filled in: presence, prefix/suffix, the holding side of every negation, IPv6 negations ----------
+
+
+def matches_both_ways(m: Match, c: Connection) -> bool:
+    """The reference semantics (``Authorization.matches``) and the compiled plan must agree on every row: an ALLOW
+    policy allows exactly the connections it matches."""
+    reference = one(m).matches(c)
+    assert evaluate([one(m)], c).allowed is reference
+    return reference
+
+
+BOB = Identity("cluster.local", "ns-a", "bob")
+V6: dict[str, Any] = {"src": "fd00::5", "dst": "fd00::6"}
+
+
+@pytest.mark.parametrize(
+    ("m", "c", "expected"),
+    [
+        # namespaces: presence holds for any identity (its namespace is never empty), never for plaintext
+        (Match(namespaces=(StringMatch(StringMatchKind.PRESENCE),)), conn(), True),
+        (Match(namespaces=(StringMatch(StringMatchKind.PRESENCE),)), conn(identity=None), False),
+        (Match(not_namespaces=(StringMatch(StringMatchKind.PRESENCE),)), conn(), False),
+        (Match(namespaces=(StringMatch(StringMatchKind.SUFFIX, "-a"),)), conn(), True),
+        # principals: matched without "spiffe://", by prefix and suffix too
+        (Match(principals=(StringMatch(StringMatchKind.PREFIX, "cluster.local/ns/ns-a/"),)), conn(), True),
+        (Match(principals=(StringMatch(StringMatchKind.PREFIX, "cluster.local/ns/ns-b/"),)), conn(), False),
+        (Match(principals=(StringMatch(StringMatchKind.PREFIX, "spiffe://"),)), conn(), False),
+        (Match(principals=(StringMatch(StringMatchKind.SUFFIX, "/sa/alice"),)), conn(), True),
+        (Match(principals=(StringMatch(StringMatchKind.SUFFIX, "/sa/bob"),)), conn(), False),
+        (Match(principals=(StringMatch(StringMatchKind.PREFIX, ""),)), conn(identity=None), False),
+        (Match(principals=(StringMatch(StringMatchKind.SUFFIX, "/sa/alice"),)), conn(identity=None), False),
+        (Match(not_principals=(StringMatch(StringMatchKind.PREFIX, "cluster.local/ns/ns-b/"),)), conn(), True),
+        (Match(not_principals=(StringMatch(StringMatchKind.SUFFIX, "/sa/alice"),)), conn(), False),
+        (Match(not_principals=(StringMatch(StringMatchKind.SUFFIX, "/sa/alice"),)), conn(identity=None), True),
+        # the holding (true) side of each negation: nothing in the list matches
+        (Match(not_service_accounts=(ServiceAccountMatch("ns-a", "bob"),)), conn(), True),
+        (Match(not_service_accounts=(ServiceAccountMatch("ns-b", "alice"),)), conn(), True),
+        (Match(not_service_accounts=(ServiceAccountMatch("ns-a", "alice"),)), conn(identity=BOB), True),
+        (Match(not_service_accounts=(ServiceAccountMatch("ns-a", "alice"),)), conn(identity=None), True),
+        (Match(not_source_ips=(parse_cidr("192.168.0.0/16"), parse_cidr("10.0.1.0/24"))), conn(), True),
+        (Match(not_destination_ips=(parse_cidr("10.0.0.3"),)), conn(), True),
+        (Match(not_destination_ports=(443, 8080)), conn(), True),
+        # positive and negative lists of one kind together: in the first, in none of the second
+        (Match(source_ips=(parse_cidr("10.0.0.0/8"),), not_source_ips=(parse_cidr("10.0.0.0/24"),)), conn(), False),
+        (Match(source_ips=(parse_cidr("10.0.0.0/8"),), not_source_ips=(parse_cidr("10.0.1.0/24"),)), conn(), True),
+        (Match(destination_ports=(80,), not_destination_ports=(80,)), conn(), False),
+        # IPv6: negations hold when the address is outside, fail when inside
+        (Match(not_source_ips=(parse_cidr("fd00::/64"),)), conn(**V6), False),
+        (Match(not_source_ips=(parse_cidr("fe80::/10"),)), conn(**V6), True),
+        (Match(not_destination_ips=(parse_cidr("fd00::6"),)), conn(**V6), False),
+        (Match(not_destination_ips=(parse_cidr("fd00::7"),)), conn(**V6), True),
+        (Match(destination_ips=(parse_cidr("fd00::/8"),)), conn(**V6), True),
+        # a CIDR of the other family never contains the address: its negation holds
+        (Match(not_source_ips=(parse_cidr("0.0.0.0/0"),)), conn(**V6), True),
+        (Match(source_ips=(parse_cidr("0.0.0.0/0"),)), conn(**V6), False),
+        (Match(not_destination_ips=(parse_cidr("::/0"),)), conn(), True),
+        (Match(destination_ips=(parse_cidr("::/0"),)), conn(), False),
+    ],
+)
+def test_match_table(m: Match, c: Connection, expected: bool) -> None:
+    assert matches_both_ways(m, c) is expected
+
+
+# -- policies that cannot apply are never evaluated ------------------------------------------------------------------
+
+
+def test_inapplicable_policies_are_never_evaluated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the destination namespace's policies, the global ones and those the workload names are evaluated: each
+    policy here has rules of its own (a distinct port), so a count of rule-set evaluations counts policies.
+    Thousands of policies of other namespaces, and of selectors that pick other workloads, add nothing."""
+    from ztunnel import rbac
+
+    evaluated: list[rbac.CompiledRules] = []
+    real = rbac.CompiledRules.matches
+
+    def spy(self: rbac.CompiledRules, s: Any) -> bool:
+        evaluated.append(self)
+        return real(self, s)
+
+    monkeypatch.setattr(rbac.CompiledRules, "matches", spy)
+    reference_calls: list[Authorization] = []
+    real_matches = Authorization.matches
+
+    def reference_spy(p: Authorization, c: Connection) -> bool:
+        reference_calls.append(p)
+        return real_matches(p, c)
+
+    monkeypatch.setattr(Authorization, "matches", reference_spy)
+
+    applicable = [
+        pol("ns-allow-80", Action.ALLOW, PORT80),
+        pol("global-deny-81", Action.DENY, PORT81, scope=Scope.GLOBAL, ns="istio-system"),
+        pol("selected-deny-82", Action.DENY, Match(destination_ports=(82,)), scope=Scope.WORKLOAD_SELECTOR),
+    ]
+    others = [
+        # every one of these would deny the connection, were it (wrongly) applied
+        *(
+            pol(f"deny-{i}", Action.DENY, Match(not_destination_ports=(10_000 + i,)), ns=f"other-{i}")
+            for i in range(2000)
+        ),
+        *(
+            pol(
+                f"unselected-{i}",
+                Action.DENY,
+                Match(not_destination_ports=(20_000 + i,)),
+                scope=Scope.WORKLOAD_SELECTOR,
+            )
+            for i in range(2000)
+        ),
+    ]
+
+    def run(policies: list[Authorization]) -> tuple[bool, list[rbac.CompiledRules]]:
+        state = ProxyState()
+        state.apply(StateUpdate(policies=policies))
+        evaluated.clear()
+        allowed = state.policies.plan("ns", ("ns/selected-deny-82",)).evaluate(conn()).allowed
+        return allowed, list(evaluated)
+
+    alone = run(applicable)
+    crowded = run(applicable + others)
+    assert alone[0] is crowded[0] is True  # both DENYs looked at and passed, then the ALLOW matched
+    assert len(crowded[1]) == len(alone[1]) == 3
+    assert {id(r) for r in crowded[1]} == {id(rbac.compile_rules(p.rules)) for p in applicable}
+    assert reference_calls == []  # the compiled plan never falls back to per-policy matching

@@ -13,9 +13,16 @@ Delta protocol (per stream, :class:`DeltaSession`, sans-IO)
     The first request of a type opens its subscription: no names, or ``*``, is a wildcard; ``*`` subscribed and
     unsubscribed together is "nothing yet" (on-demand clients), after which names are subscribed one by one.
     The first request is always answered, even with nothing, so the client can ACK and report ready. A name the
-    client holds that the server does not have is sent back as removed; a name subscribed on demand that does not
-    exist is answered as removed, so the client stops waiting. ACKs and NACKs are recorded (NACKs are logged with
-    their ``error_detail``); a NACK does not cause a resend, as istiod.
+    client holds that the server does not have is sent back as removed. ACKs and NACKs are recorded (NACKs are
+    logged with their ``error_detail``); a NACK does not cause a resend, as istiod.
+
+On-demand clients (``XDS_ON_DEMAND=true``), as istiod serves them
+    A subscribed name is a resource name or an address, ``<network>/<ip>``, which resolves (:class:`AddressIndex`)
+    to the workloads with that IP or else the service with that VIP plus its endpoint workloads. Those are sent
+    with their addresses in ``Resource.aliases`` (how the client matches them to its demand) and follow later
+    changes; a name that resolves to nothing is answered as removed, so the client stops waiting. Names the client
+    lists in ``initial_resource_versions`` stay subscribed after a reconnect, and the workloads on the client's
+    own node (``NODE_NAME`` in its node metadata) are sent without being asked for.
 
 The CA (``CreateCertificate``)
     Signed by a :class:`~ztunnel.identity.ca.LocalCA` under the rules of :class:`xds.ca.CaPolicy`.
@@ -52,18 +59,20 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from google.protobuf import any_pb2
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from xds.ca import DEFAULT_MAX_TTL, CaPolicy, CaRefused, node_identity
 from xds.convert import ConvertError, pack, resources_from_update
 from xds.envoy.service.discovery.v3 import discovery_pb2 as pb
 from xds.envoy.service.discovery.v3 import discovery_pb2_grpc as pb_grpc
 from xds.istio.v1.auth import ca_pb2, ca_pb2_grpc
+from xds.istio.workload import workload_pb2 as wl_pb
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import DEFAULT_TRUST_DOMAIN, Identity
 from ztunnel.localconfig import LocalConfig, LocalConfigError, load_local_config, parse_local_config
 from ztunnel.state import StateUpdate
 from ztunnel.tasks import TaskGroup
+from ztunnel.xds.types import ADDRESS_TYPE
 
 __all__ = [
     "DEFAULT_LISTEN",
@@ -102,11 +111,83 @@ def _versioned(payload: any_pb2.Any) -> VersionedResource:
 
 
 @dataclass(frozen=True)
+class AddressIndex:
+    """How on-demand Address names resolve to resources, as istiod's ambient index ``Lookup`` does.
+
+    A name is a resource name (workload uid, ``<ns>/<hostname>``) or an address ``<network>/<ip>``. An address
+    resolves to the workloads that have it, else to the service with that VIP; a service (by VIP or by name)
+    brings its endpoint workloads along, since a client that asked for a VIP needs them to route.
+    """
+
+    lookup: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # resource name -> its own aliases (``<network>/<ip>`` of each workload address or service VIP), sent in
+    # ``Resource.aliases`` so the client knows which demand a resource answers.
+    aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # node name -> the workloads on it: istiod subscribes an on-demand client to its own node's workloads
+    # (``AdditionalPodSubscriptions``), so a ztunnel knows its local pods without asking.
+    by_node: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def resolve(self, name: str, served: Collection[str]) -> tuple[str, ...]:
+        """The resource names ``name`` stands for (empty if nothing matches)."""
+        hit = self.lookup.get(name)
+        if hit is not None:
+            return hit
+        return (name,) if name in served else ()
+
+
+def _ip(network: str, raw: bytes) -> str | None:
+    try:
+        return f"{network}/{ipaddress.ip_address(raw)}"
+    except ValueError:
+        return None
+
+
+def address_index(resources: Mapping[str, VersionedResource]) -> AddressIndex:
+    """Index the Address resources of a snapshot by address, by name and by node (payloads that do not decode,
+    e.g. injected faults, are left out)."""
+    by_ip: dict[str, list[str]] = {}
+    vips: dict[str, str] = {}
+    endpoints: dict[str, list[str]] = {}
+    services: dict[str, str] = {}
+    aliases: dict[str, tuple[str, ...]] = {}
+    by_node: dict[str, list[str]] = {}
+    for name, res in resources.items():
+        try:
+            addr = wl_pb.Address.FromString(res.payload.value)
+        except DecodeError:
+            continue
+        if addr.HasField("workload"):
+            w = addr.workload
+            own = tuple(a for a in (_ip(w.network, raw) for raw in w.addresses) if a is not None)
+            for a in own:
+                by_ip.setdefault(a, []).append(name)
+            for svc_key in w.services:
+                endpoints.setdefault(svc_key, []).append(name)
+            if w.node:
+                by_node.setdefault(w.node, []).append(name)
+            aliases[name] = own
+        elif addr.HasField("service"):
+            svc = addr.service
+            own = tuple(a for a in (_ip(v.network, v.address) for v in svc.addresses) if a is not None)
+            for a in own:
+                vips.setdefault(a, name)
+            services[f"{svc.namespace}/{svc.hostname}"] = name
+            aliases[name] = own
+    lookup: dict[str, tuple[str, ...]] = {}
+    for key, name in [*vips.items(), *services.items()]:
+        lookup[key] = (name, *endpoints.get(name, ()))
+    for key, names in by_ip.items():  # a workload IP wins over a VIP, as istiod's lookup order
+        lookup[key] = tuple(names)
+    return AddressIndex(lookup, aliases, {node: tuple(names) for node, names in by_node.items()})
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """Everything served at one moment: type URL -> resource name -> versioned resource."""
 
     version: int
     resources: Mapping[str, Mapping[str, VersionedResource]]
+    addresses: AddressIndex = field(default_factory=AddressIndex)
 
     def of(self, type_url: str) -> Mapping[str, VersionedResource]:
         """The resources of one type URL (empty when none)."""
@@ -130,7 +211,7 @@ def build_snapshot(
                 bucket.pop(name, None)
             else:
                 bucket[name] = _versioned(payload)
-    return Snapshot(version, out)
+    return Snapshot(version, out, address_index(out.get(ADDRESS_TYPE, {})))
 
 
 # -- the per-stream protocol (sans-IO) ---------------------------------------------------------------------------
@@ -173,6 +254,8 @@ class DeltaSession:
         self.peer = peer
         self.on_nack = on_nack
         self.node_id: str | None = None
+        # The client's NODE_NAME (node metadata): an on-demand client is also sent its own node's workloads.
+        self.node_name = ""
         self.subscriptions: dict[str, _Subscription] = {}
         self.acks: list[tuple[str, str]] = []
         self.nacks: list[Nack] = []
@@ -183,6 +266,8 @@ class DeltaSession:
         """Handle one request; returns the responses to send."""
         if req.HasField("node") and self.node_id is None:
             self.node_id = req.node.id
+            node_name = req.node.metadata.fields.get("NODE_NAME")
+            self.node_name = node_name.string_value if node_name is not None else ""
         type_url = req.type_url
         if req.response_nonce:
             if req.HasField("error_detail") and req.error_detail.message:
@@ -200,12 +285,14 @@ class DeltaSession:
             wildcard = not subscribe or "*" in subscribe
             if "*" in unsubscribe:
                 wildcard = False
-            sub = _Subscription(wildcard, {n for n in subscribe if n != "*"} - set(unsubscribe))
+            explicit = {n for n in subscribe if n != "*"} - set(unsubscribe)
+            # What a reconnecting client holds stays subscribed (istiod ``deltaWatchedResources``).
+            sub = _Subscription(wildcard, explicit | set(req.initial_resource_versions))
             sub.sent = dict(req.initial_resource_versions)
             self.initial_versions[type_url] = dict(req.initial_resource_versions)
             self.subscriptions[type_url] = sub
             # Always answer the first request: the client ACKs it and only then reports ready.
-            return [self._diff(type_url, sub, explicit=sub.names)]
+            return [self._diff(type_url, sub, explicit=explicit)]
         if not subscribe and not unsubscribe:
             return []
         if "*" in subscribe:
@@ -230,24 +317,46 @@ class DeltaSession:
                 out.append(resp)
         return out
 
-    def _diff(self, type_url: str, sub: _Subscription, explicit: Collection[str] = ()) -> pb.DeltaDiscoveryResponse:
+    def _resolve(self, type_url: str, name: str) -> tuple[str, ...]:
         current = self.snapshot.of(type_url)
-        wanted = set(current) if sub.wildcard else {n for n in sub.names if n in current}
+        if type_url != ADDRESS_TYPE:
+            return (name,) if name in current else ()
+        return self.snapshot.addresses.resolve(name, current)
+
+    def _wanted(self, type_url: str, sub: _Subscription) -> set[str]:
+        current = self.snapshot.of(type_url)
+        if sub.wildcard:
+            return set(current)
+        wanted = {r for n in sub.names for r in self._resolve(type_url, n)}
+        if type_url == ADDRESS_TYPE and self.node_name:
+            wanted.update(self.snapshot.addresses.by_node.get(self.node_name, ()))
+        return wanted
+
+    def _diff(self, type_url: str, sub: _Subscription, explicit: Collection[str] = ()) -> pb.DeltaDiscoveryResponse:
+        """What the client needs now. ``explicit`` names were just asked for: they are answered even when the
+        client already holds them (istiod re-sends on a request), and with a removal when nothing matches."""
+        current = self.snapshot.of(type_url)
+        wanted = self._wanted(type_url, sub)
+        asked = {r for n in explicit for r in self._resolve(type_url, n)}
         resp = pb.DeltaDiscoveryResponse(
             type_url=type_url, nonce=str(next(self._nonces)), system_version_info=str(self.snapshot.version)
         )
+        aliases = self.snapshot.addresses.aliases if type_url == ADDRESS_TYPE and not sub.wildcard else {}
         for name in sorted(wanted):
             res = current[name]
-            if sub.sent.get(name) != res.version:
-                resp.resources.append(pb.Resource(name=name, version=res.version, resource=res.payload))
+            if name in asked or sub.sent.get(name) != res.version:
+                resp.resources.append(
+                    pb.Resource(name=name, version=res.version, resource=res.payload, aliases=aliases.get(name, ()))
+                )
                 sub.sent[name] = res.version
         for name in sorted(sub.sent):
             if name not in wanted:
                 resp.removed_resources.append(name)
                 del sub.sent[name]
-        # Names asked for explicitly that do not exist are answered as removed, so an on-demand client stops waiting.
+        # Names asked for explicitly that match nothing are answered as removed, so an on-demand client stops
+        # waiting ("removed" for a name that never existed is how the xDS spec says "no such resource").
         for name in sorted(explicit):
-            if name not in current and name not in resp.removed_resources:
+            if not self._resolve(type_url, name) and name not in resp.removed_resources:
                 resp.removed_resources.append(name)
         return resp
 

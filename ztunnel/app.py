@@ -28,12 +28,13 @@ from ztunnel.identity.manager import CertificateProvider
 from ztunnel.localconfig import LocalConfig, load_local_config, parse_local_config
 from ztunnel.metrics import Registry, StatsServer
 from ztunnel.proxy import Proxy
-from ztunnel.proxy.common import LocalWorkload, TlsContextCache, format_addr
+from ztunnel.proxy.common import LocalWorkload, OnDemand, TlsContextCache, format_addr
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction
 from ztunnel.proxy.metrics import FLUSH_INTERVAL, TrafficMetrics, flush_periodically
 from ztunnel.proxyfactory import PodProxies, ProxyFactory
 from ztunnel.readiness import BlockReady, Readiness, ReadinessServer
 from ztunnel.state import ProxyState
+from ztunnel.state.workload import NetworkAddress
 from ztunnel.tasks import TaskGroup
 
 log = logging.getLogger("ztunnel.app")
@@ -122,6 +123,7 @@ class App:
             TlsContextCache(self.config.tls12_enabled),
             self.traffic,
             self.dns_metrics,
+            on_demand=self._on_demand(),
         )
         if self.config.proxy_mode is ProxyMode.DEDICATED:
             info = self.config.proxy_workload_info
@@ -236,6 +238,18 @@ class App:
             out[uid] = entry
         return out
 
+    def _on_demand(self) -> OnDemand | None:
+        """With XDS_ON_DEMAND, the proxies ask the ADS client for addresses the state does not know."""
+        client = self.xds_client
+        if client is None or not self.config.xds_on_demand:
+            return None
+        from ztunnel.xds.types import ADDRESS_TYPE
+
+        async def demand(addr: NetworkAddress) -> None:
+            await client.demand(ADDRESS_TYPE, str(addr))  # "<network>/<ip>", as upstream
+
+        return demand
+
     def _xds_metrics(self) -> list[Metric]:
         """``istio_xds_*`` from the ADS client's counters, computed at scrape time."""
         client = self.xds_client
@@ -250,7 +264,7 @@ class App:
             term.samples.append(Sample("istio_xds_connection_terminations_total", {"reason": reason.value}, float(n)))
         msgs = Metric("istio_xds_message", "Total number of messages received (unstable)", "counter")
         size = Metric("istio_xds_message_bytes", "Total number of bytes received (unstable)", "counter", "bytes")
-        for url, (count, nbytes) in getattr(client, "messages", {}).items():
+        for url, (count, nbytes) in client.messages.items():
             msgs.samples.append(Sample("istio_xds_message_total", {"url": url}, float(count)))
             size.samples.append(Sample("istio_xds_message_bytes_total", {"url": url}, float(nbytes)))
         return [term, msgs, size]

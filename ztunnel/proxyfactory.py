@@ -17,7 +17,7 @@ from ztunnel.drain import Drain, DrainMode
 from ztunnel.identity.manager import CertificateProvider
 from ztunnel.inpod.netns import InPodSocketFactory, Netns, NetnsId
 from ztunnel.proxy import Proxy
-from ztunnel.proxy.common import LocalWorkload, ProxyInputs, TlsContextCache
+from ztunnel.proxy.common import LocalWorkload, OnDemand, ProxyInputs, TlsContextCache
 from ztunnel.proxy.connection_manager import ConnectionManager
 from ztunnel.proxy.metrics import TrafficMetrics
 from ztunnel.proxy.pool import WorkloadHBONEPool
@@ -35,6 +35,7 @@ class ProxyFactory:
     contexts: TlsContextCache
     traffic: TrafficMetrics
     dns_metrics: DnsMetrics | None = None
+    on_demand: OnDemand | None = None  # XDS_ON_DEMAND: the xDS client's demand, for every proxy
 
     def dns(self, local: LocalWorkload, sockets: SocketFactory, reuse_port: bool) -> DnsProxy | None:
         """The DNS proxy of one workload (ISTIO_META_DNS_CAPTURE), or None when DNS capture is off."""
@@ -62,6 +63,7 @@ class ProxyFactory:
             contexts=self.contexts,
             pool=WorkloadHBONEPool(self.config, self.certs, sockets, self.contexts),
             connections=ConnectionManager(self.traffic),
+            on_demand=self.on_demand,
         )
 
     def host_sockets(self) -> SocketFactory:

@@ -256,6 +256,7 @@ def test_on_demand_initial_request_and_readiness(state: ProxyState) -> None:
 def test_demand_request_and_answer(state: ProxyState) -> None:
     c = core(state, on_demand=True)
     req = c.demand(ADDRESS_TYPE, "/10.0.0.1")
+    assert req is not None
     assert req.type_url == ADDRESS_TYPE and list(req.resource_names_subscribe) == ["/10.0.0.1"]
     assert not req.HasField("node")
     assert c.known_resources[ADDRESS_TYPE] == {"/10.0.0.1": ""}
@@ -264,6 +265,27 @@ def test_demand_request_and_answer(state: ProxyState) -> None:
     h = c.receive(response(ADDRESS_TYPE, removed=["/10.0.0.1"]))
     assert h.demands_answered == (ResourceKey(ADDRESS_TYPE, "/10.0.0.1"),)
     assert c.pending_demands == set()
+
+
+def test_demand_is_sent_once_while_pending(state: ProxyState) -> None:
+    c = core(state, on_demand=True)
+    assert c.demand(ADDRESS_TYPE, "/10.0.0.1") is not None
+    assert c.demand(ADDRESS_TYPE, "/10.0.0.1") is None  # already asked: wait for the same answer
+    c.receive(response(ADDRESS_TYPE, removed=["/10.0.0.1"]))
+    assert c.demand(ADDRESS_TYPE, "/10.0.0.1") is not None  # answered: a later miss asks again
+
+
+def test_demand_answered_by_alias(state: ProxyState) -> None:
+    # istiod answers "/10.96.0.1" with the service that has that VIP, under the service's own name, plus its
+    # endpoints; the demanded name comes back as an alias.
+    c = core(state, on_demand=True)
+    c.demand(ADDRESS_TYPE, "/10.96.0.1")
+    svc = res("ns/svc.ns.svc.cluster.local", svc_addr("ns", "svc.ns.svc.cluster.local"))
+    svc.aliases.append("/10.96.0.1")
+    h = c.receive(response(ADDRESS_TYPE, svc, res("c1//v1/Pod/ns/a", wl_addr("c1//v1/Pod/ns/a"))))
+    assert h.demands_answered == (ResourceKey(ADDRESS_TYPE, "/10.96.0.1"),)
+    assert state.services.get(NamespacedHostname("ns", "svc.ns.svc.cluster.local")) is not None
+    assert c.known_resources[ADDRESS_TYPE]["ns/svc.ns.svc.cluster.local"] == "v1"
 
 
 @pytest.mark.parametrize(("state", "signal"), list(itertools.product(SubscriptionState, XdsSignal)))

@@ -208,6 +208,74 @@ def test_on_demand_subscriptions() -> None:
     assert [r.name for r in resp.resources] == ["w2"]
 
 
+MESH_WORKLOADS = """
+workloads:
+- {uid: c, name: c, namespace: ns, workloadIps: ["10.0.0.1"], node: node-a}
+- {uid: s1, name: s1, namespace: ns, workloadIps: ["10.0.0.2"], node: node-b,
+   services: {"ns/svc.ns.svc.cluster.local": {80: 8080}}}
+- {uid: other, name: other, namespace: ns, workloadIps: ["10.0.0.3"], node: node-b}
+"""
+MESH_SERVICES = """
+services:
+- {name: svc, namespace: ns, hostname: svc.ns.svc.cluster.local, vips: ["/10.96.0.1"], ports: {80: 8080}}
+"""
+MESH = MESH_WORKLOADS + MESH_SERVICES
+
+
+def on_demand_session(snap: Snapshot, node_name: str = "") -> tuple[DeltaSession, pb.DeltaDiscoveryResponse]:
+    s = DeltaSession(snap)
+    req = initial(ADDRESS_TYPE, sub=["*"], unsub=["*"])
+    req.node.id = "ztunnel~1.1.1.1~zt.istio-system~istio-system.svc.cluster.local"
+    req.node.metadata.update({"NODE_NAME": node_name})
+    (first,) = s.on_request(req)
+    return s, first
+
+
+def test_on_demand_address_resolves_to_service_and_endpoints() -> None:
+    s, first = on_demand_session(snapshot(1, MESH))
+    assert list(first.resources) == []  # no NODE_NAME: nothing unasked
+    (resp,) = s.on_request(pb.DeltaDiscoveryRequest(type_url=ADDRESS_TYPE, resource_names_subscribe=["/10.96.0.1"]))
+    # The VIP comes back as the service under its own name plus its endpoint, each with its addresses as aliases.
+    assert {r.name: list(r.aliases) for r in resp.resources} == {
+        "ns/svc.ns.svc.cluster.local": ["/10.96.0.1"],
+        "s1": ["/10.0.0.2"],
+    }
+    assert list(resp.removed_resources) == []
+    # A workload IP resolves to that workload; asking again re-sends it (istiod answers every request).
+    (resp,) = s.on_request(pb.DeltaDiscoveryRequest(type_url=ADDRESS_TYPE, resource_names_subscribe=["/10.0.0.3"]))
+    assert [r.name for r in resp.resources] == ["other"]
+    (resp,) = s.on_request(pb.DeltaDiscoveryRequest(type_url=ADDRESS_TYPE, resource_names_subscribe=["/10.0.0.3"]))
+    assert [r.name for r in resp.resources] == ["other"]
+    # A new endpoint of the subscribed VIP follows; an unrelated workload does not.
+    grown = (
+        MESH_WORKLOADS
+        + '- {uid: s2, name: s2, namespace: ns, workloadIps: ["10.0.0.4"],'
+        + ' services: {"ns/svc.ns.svc.cluster.local": {80: 8080}}}\n'
+        + '- {uid: x, name: x, namespace: ns, workloadIps: ["10.0.0.9"]}\n'
+        + MESH_SERVICES
+    )
+    (resp,) = s.on_snapshot(snapshot(2, grown))
+    assert [r.name for r in resp.resources] == ["s2"]
+
+
+def test_on_demand_client_gets_its_node_workloads_unasked() -> None:
+    s, first = on_demand_session(snapshot(1, MESH), node_name="node-b")
+    assert s.node_name == "node-b"
+    assert sorted(r.name for r in first.resources) == ["other", "s1"]
+    (resp,) = s.on_request(pb.DeltaDiscoveryRequest(type_url=ADDRESS_TYPE, resource_names_subscribe=["/10.9.9.9"]))
+    assert list(resp.resources) == []
+    assert list(resp.removed_resources) == ["/10.9.9.9"]  # unknown address: answered, so the client stops waiting
+
+
+def test_on_demand_reconnect_keeps_held_names_subscribed() -> None:
+    snap = snapshot(1, MESH)
+    s = DeltaSession(snap)
+    held = {"other": snap.of(ADDRESS_TYPE)["other"].version, "s1": "old"}
+    (resp,) = s.on_request(initial(ADDRESS_TYPE, held, sub=["*"], unsub=["*"]))
+    assert [r.name for r in resp.resources] == ["s1"]  # changed since; "other" is current and not re-sent
+    assert list(resp.removed_resources) == []
+
+
 # -- CA policy ----------------------------------------------------------------------------------------------------
 
 TD = "cluster.local"

@@ -9,6 +9,7 @@ import enum
 import logging
 import random
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,7 @@ from ztunnel.identity.manager import CertificateProvider
 from ztunnel.identity.spiffe import Identity
 from ztunnel.sockets import SocketFactory
 from ztunnel.state import ProxyState, StateChange
-from ztunnel.state.workload import IPAddress, Workload
+from ztunnel.state.workload import IPAddress, NetworkAddress, Workload
 from ztunnel.tasks import TaskGroup
 
 if TYPE_CHECKING:
@@ -35,6 +36,11 @@ TRACEPARENT_HEADER = "traceparent"
 X_FORWARDED_NETWORK = "x-forwarded-network"
 # Upstream waits this long for a workload to appear in xDS before giving up (proxy.rs wait_for_workload).
 WORKLOAD_WAIT_TIMEOUT = 5.0
+# How long a connection waits for the control plane to answer an on-demand lookup before deciding without it.
+# Upstream (state.rs fetch_on_demand) waits for the answer with no bound: istiod always answers an explicit
+# subscription, with a removal when nothing matches. A bound keeps a control-plane outage from holding connections
+# forever; 5 s is upstream's other xDS wait (wait_for_workload).
+ON_DEMAND_TIMEOUT = 5.0
 CONNECTION_TIMEOUT = 10.0
 
 
@@ -157,6 +163,11 @@ class LocalWorkload:
         self._unsubscribe()
 
 
+# Asks the control plane for "<network>/<ip>" (XDS_ON_DEMAND) and returns once it answered; the answer, if any,
+# is in the state by then (upstream ``Demander``).
+OnDemand = Callable[[NetworkAddress], Awaitable[None]]
+
+
 @dataclass
 class ProxyInputs:
     """Everything a proxy's listeners share (upstream ``ProxyInputs``)."""
@@ -174,3 +185,17 @@ class ProxyInputs:
     rng: random.Random = field(default_factory=random.Random)
     # In dedicated mode the listeners are shared by every workload on the host; transparent is best effort.
     transparent: bool = False
+    # Set when XDS_ON_DEMAND=true: addresses missing from the state are asked for before deciding.
+    on_demand: OnDemand | None = None
+
+    async def fetch_address(self, addr: NetworkAddress, client_ns: str | None = None) -> None:
+        """Upstream ``fetch_address``: if no service VIP or workload has ``addr``, ask for it on demand and wait
+        for the answer (at most :data:`ON_DEMAND_TIMEOUT`). A no-op without on-demand xDS or on a hit."""
+        if self.on_demand is None or self.state.find_address(addr, client_ns) is not None:
+            return
+        try:
+            await asyncio.wait_for(self.on_demand(addr), ON_DEMAND_TIMEOUT)
+        except TimeoutError:
+            log.warning(
+                "on-demand xDS lookup of %s not answered within %gs; deciding without it", addr, ON_DEMAND_TIMEOUT
+            )

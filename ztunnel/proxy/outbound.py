@@ -4,7 +4,9 @@ Upstream ``proxy/outbound.rs``. For each accepted connection:
 
 1. the original destination: ``SO_ORIGINAL_DST`` (iptables REDIRECT), else the socket's own address (TPROXY);
 2. a loopback destination on one of ztunnel's own ports is refused (``attempted recursive call to ourselves``);
-3. the source is always the proxied workload (never looked up by source IP), waiting up to 5 s for xDS;
+3. the source is always the proxied workload (never looked up by source IP), waiting up to 5 s for xDS; with
+   ``XDS_ON_DEMAND``, a destination the state does not know is asked for (``<network>/<ip>``) and its answer
+   awaited, up to 5 s, before deciding;
 4. :func:`build_request` decides: service waypoint, load-balanced endpoint, workload waypoint, HBONE to
    ``endpointIP:15008`` with ``:authority endpointIP:targetPort``, plain TCP to a non-mesh workload, or passthrough
    to the original destination when nothing in the mesh matches;
@@ -249,6 +251,8 @@ class Outbound:
             if pi.drain.draining:
                 raise ProxyError("proxy is draining")
             source = await pi.local.get()
+            # XDS_ON_DEMAND: an address the state does not know is asked for first (upstream fetch_address).
+            await pi.fetch_address(NetworkAddress(pi.config.network, dst[0]), source.namespace)
             req = build_request(pi.state, source, src[0], dst, pi.config.network, pi.rng, self.hbone_port)
             if req.resolve_hostname is not None:
                 req = await _resolve(req)

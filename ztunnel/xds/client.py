@@ -11,7 +11,9 @@ readiness token.
 * On every new stream the first request of each type carries the node (id and metadata) and, in
   ``initial_resource_versions``, the version of every resource already held, so the server need not resend
   unchanged ones. An empty subscribe list is a wildcard subscription; with ``XDS_ON_DEMAND`` the Address request
-  subscribes and unsubscribes ``*`` at once ("subscribe to nothing") and resources are then requested by name.
+  subscribes and unsubscribes ``*`` at once ("subscribe to nothing") and resources are then requested by name
+  (``<network>/<ip>`` for an unknown destination). A demand is answered by the first response that names it: as a
+  resource, as an alias of one (istiod answers an IP with the workload or service that has it), or as removed.
 * Each response is decoded and handed to the type's handler (which applies it to the proxy state as one batch);
   the handler reports the names it rejected. The reply is an ACK (``response_nonce``) or, if anything was
   rejected, a NACK whose ``error_detail.message`` is ``"<name>: <reason>; <name>: <reason>"``. The good resources
@@ -241,9 +243,16 @@ class DeltaAdsState:
             out.append(req)
         return out
 
-    def demand(self, type_url: str, name: str) -> pb.DeltaDiscoveryRequest:
-        """Ask for one resource by name (on-demand mode). It is answered when a response names it."""
+    def demand(self, type_url: str, name: str) -> pb.DeltaDiscoveryRequest | None:
+        """Ask for one resource by name (on-demand mode). It is answered when a response names it, as a resource,
+        an alias of one, or a removal.
+
+        Returns the request to send, or ``None`` when the same name is already pending (one request in flight per
+        name; every caller waits for the same answer).
+        """
         key = ResourceKey(type_url, name)
+        if key in self.pending_demands:
+            return None
         self.pending_demands.add(key)
         # Recorded with no version, so a reconnect asks for it again, without clobbering a version already held.
         self.known_resources.setdefault(type_url, {}).setdefault(name, "")
@@ -285,6 +294,10 @@ class DeltaAdsState:
             answered.extend(self._answer(ResourceKey(type_url, name)))
         for res in response.resources:
             answered.extend(self._answer(ResourceKey(type_url, res.name)))
+            # istiod answers a demand for "<network>/<ip>" with the workload or service that has that address,
+            # under its own name, and lists the demanded name among its aliases (pilot workload.go).
+            for alias in res.aliases:
+                answered.extend(self._answer(ResourceKey(type_url, alias)))
             if res.name not in rejected_names and res.name not in removed_set:
                 known[res.name] = res.version
 
@@ -392,6 +405,8 @@ class AdsClient:
         self._outgoing: asyncio.Queue[pb.DeltaDiscoveryRequest] | None = None
         self._queued_demands: list[pb.DeltaDiscoveryRequest] = []
         self._demand_waiters: dict[ResourceKey, list[asyncio.Future[None]]] = {}
+        # type URL -> [responses, resource payload bytes] (upstream istio_xds_message_total / _bytes_total).
+        self.messages: dict[str, list[int]] = {}
 
     async def run(self) -> None:
         """Connect, serve the stream, and reconnect after it ends, forever."""
@@ -407,14 +422,23 @@ class AdsClient:
             raise ControlPlaneError("on-demand xDS requests need XDS_ON_DEMAND=true")
         key = ResourceKey(type_url, name)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._demand_waiters.setdefault(key, []).append(fut)
-        log.info("received on demand request %s", key)
+        waiters = self._demand_waiters.setdefault(key, [])
+        waiters.append(fut)
         req = self.core.demand(type_url, name)
-        if self._outgoing is not None:
-            self._outgoing.put_nowait(req)
-        else:
-            self._queued_demands.append(req)
-        await fut
+        if req is not None:
+            log.info("received on demand request %s", key)
+            if self._outgoing is not None:
+                self._outgoing.put_nowait(req)
+            else:
+                self._queued_demands.append(req)
+        try:
+            await fut
+        finally:
+            # A caller that gave up (its own timeout) leaves no future behind; the name stays pending.
+            if fut in waiters:
+                waiters.remove(fut)
+            if not waiters and self._demand_waiters.get(key) is waiters:
+                del self._demand_waiters[key]
 
     async def _run_loop(self, backoff: float) -> float:
         """One stream and the wait before the next; returns the backoff to carry over (upstream ``run_loop``)."""
@@ -530,6 +554,9 @@ class AdsClient:
             len(response.resources),
             len(response.removed_resources),
         )
+        counts = self.messages.setdefault(response.type_url, [0, 0])
+        counts[0] += 1
+        counts[1] += sum(len(r.resource.value) for r in response.resources)  # payloads only, as upstream
         handled = self.core.receive(response)
         if not handled.known_type:
             log.error("unknown type type_url=%s; sending ACK", handled.type_url)
