@@ -7,6 +7,7 @@ The example's policies: ``default/allow-client`` allows only the principal ``clu
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -156,3 +157,44 @@ async def test_strict_peer_authentication_blocks_plaintext_on_15006(
     assert closed  # without reaching the app
     writer.close()
     assert echo.connections == before
+
+
+async def test_established_passthrough_connection_closed_within_1s_of_a_denying_policy(
+    mesh: tuple[TwoNodeMesh, Any, Any, EchoServer], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The 15006 case of the policy watcher: an established plaintext connection is re-checked when policies change
+    and closed once denied (SO_ORIGINAL_DST stood in for, as above)."""
+    m, _, b, _ = mesh
+    caplog.set_level(logging.INFO, logger="access")
+    target: tuple[IPAddress, int] = (ipaddress.ip_address(m.server_app[0]), m.server_app[1])
+    monkeypatch.setattr(inbound_passthrough, "original_dst", lambda sock: target)
+    b.state.apply(StateUpdate(removed_policies=["default/allow-client"]))  # plaintext has no principal to allow
+    reader, writer = await asyncio.open_connection(m.node_b, 15006)
+    writer.write(b"before")
+    assert await asyncio.wait_for(reader.readexactly(6), 10) == b"before"
+    deny_plaintext = Authorization(
+        "istio_converted_static_strict",
+        "default",
+        Scope.NAMESPACE,
+        Action.DENY,
+        rules=(((Match(not_principals=(StringMatch(StringMatchKind.PRESENCE),)),),),),
+    )
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    b.state.apply(StateUpdate(policies=[deny_plaintext]))
+    try:
+        data = await asyncio.wait_for(reader.read(), 1.0)  # EOF (or reset) within a second
+    except ConnectionResetError:
+        data = b""
+    assert data == b""
+    assert loop.time() - start < 1.0
+    writer.close()
+    await asyncio.sleep(0.05)
+    closed = [r for r in caplog.records if r.getMessage() == "connection complete"]
+    fields = [getattr(r, "fields", {}) for r in closed]
+    assert any(
+        f.get("error") == "connection closed due to policy change"
+        and f.get("direction") == "inbound"
+        and "src.identity" not in f
+        for f in fields
+    ), caplog.text
