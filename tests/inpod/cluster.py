@@ -21,6 +21,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from ztunnel.inpod.nodeagent import PodInfo, ZdsServer
 from ztunnel.testing import netns as tn
+from ztunnel.testing.dns import UpstreamDns
 
 MESH = """
 workloads:
@@ -39,6 +40,9 @@ services:
    ports: {{80: 8080}}}}
 """
 VIP = ("10.96.0.10", 80)
+# The "cluster DNS" of the DNS cluster: in the topology's root namespace, on the bridge, outside every node and pod.
+UPSTREAM_DNS_IP = tn.BRIDGE_IP
+EXTERNAL_NAME, EXTERNAL_IP = "db.example.org", "198.51.100.7"  # a non-mesh name only the upstream DNS knows
 T = TypeVar("T")
 MARKER = b"MARKER-7f3a9c-NEVER-IN-CLEAR"
 
@@ -64,6 +68,7 @@ class Cluster:
     ztunnels: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     agents: dict[str, ZdsServer] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
+    upstream_dns: UpstreamDns | None = None
 
     def call(self, pod: str, host: str, port: int, payload: bytes, timeout: float = 10) -> bytes:
         """A plain client inside ``pod``: connect, send, half-close, read to EOF."""
@@ -139,9 +144,26 @@ async def cluster(topology: tn.Topology, tmp_path: Path) -> AsyncIterator[Cluste
 
 @pytest.fixture
 async def dns_cluster(topology: tn.Topology, tmp_path: Path) -> AsyncIterator[Cluster]:
-    """The same cluster with DNS capture on: the agent adds the DNS rules, ztunnel runs a DNS proxy per pod."""
-    async with running_cluster(topology, tmp_path, dns=True) as c:
-        yield c
+    """The same cluster with DNS capture on: the agent adds the DNS rules, ztunnel runs a DNS proxy per pod, and
+    the nodes' resolv.conf (so ztunnel's, which its DNS proxies forward to) names an upstream DNS server on the
+    bridge that knows ``EXTERNAL_NAME``."""
+    upstream = UpstreamDns({EXTERNAL_NAME: [EXTERNAL_IP]})
+    server = topology.loop_thread(topology.root, "upstream-dns")
+    await server.run(upstream.start(UPSTREAM_DNS_IP, 53))
+    etc = [Path("/etc/netns") / topology.node(node).name for node in ("node1", "node2")]
+    try:
+        for d in etc:  # `ip netns exec` bind-mounts these over /etc/resolv.conf for the ztunnels it starts
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "resolv.conf").write_text(f"nameserver {UPSTREAM_DNS_IP}\noptions timeout:2\n")
+        async with running_cluster(topology, tmp_path, dns=True) as c:
+            c.upstream_dns = upstream
+            yield c
+    finally:
+        for d in etc:
+            with contextlib.suppress(FileNotFoundError):
+                (d / "resolv.conf").unlink()
+                d.rmdir()
+        await server.run(upstream.stop())
 
 
 @contextlib.asynccontextmanager

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.inpod.cluster import (
+    EXTERNAL_IP,
+    EXTERNAL_NAME,
     MARKER,
     VIP,
     Cluster,
@@ -27,6 +29,7 @@ from tests.inpod.cluster import (
     peer_and_body,
     topology,
 )
+from ztunnel.testing import netns as tn
 
 __all__ = ["cluster", "dns_cluster", "topology"]  # fixtures
 
@@ -282,37 +285,92 @@ async def test_calls_to_ztunnel_ports_are_refused(cluster: Cluster) -> None:
     assert "attempted recursive call to ourselves" in c.logs["node1"].read_text()
 
 
-async def test_pod_dns_answered_by_ztunnel_then_hbone(dns_cluster: Cluster) -> None:
-    """A pod's getaddrinfo of a mesh name goes to a nameserver off the pod, the capture rules send it to ztunnel's
-    DNS proxy in the pod (raw-table CT zones as upstream), which answers from xDS; the connection then goes
-    through HBONE. ``ip netns exec`` gives the pod its own resolv.conf from /etc/netns/<name>/."""
-    c = dns_cluster
-    pod = c.pods["client"]
+POD_RESOLV_CONF = "nameserver 192.0.2.53\nsearch default.svc.cluster.local\noptions timeout:2\n"
+
+
+def run_with_pod_dns(pod: tn.Pod, script: str) -> subprocess.CompletedProcess[str]:
+    """Run a Python ``script`` in ``pod`` with a resolv.conf of its own (``ip netns exec`` bind-mounts
+    /etc/netns/<name>/): a nameserver off the pod that nothing answers, so only the capture rules (to ztunnel's
+    DNS proxy on 15053) can answer."""
     etc = Path("/etc/netns") / pod.name
     etc.mkdir(parents=True, exist_ok=True)
     try:
-        (etc / "resolv.conf").write_text("nameserver 192.0.2.53\nsearch default.svc.cluster.local\noptions timeout:2\n")
-        script = (
-            "import socket\n"
-            "ip = socket.getaddrinfo('echo', 80, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]\n"
-            "s = socket.create_connection((ip, 80), timeout=10)\n"
-            "s.sendall(b'via dns'); s.shutdown(socket.SHUT_WR)\n"
-            "out = b''\n"
-            "while (chunk := s.recv(4096)): out += chunk\n"
-            "print(ip, out.split(b'\\n', 1)[1].decode())\n"
-        )
-        result = await asyncio.to_thread(pod.exec, [sys.executable, "-c", script])
+        (etc / "resolv.conf").write_text(POD_RESOLV_CONF)
+        return pod.exec([sys.executable, "-c", script])
     finally:
         for f in etc.iterdir():
             f.unlink()
         etc.rmdir()
+
+
+async def test_pod_dns_answered_by_ztunnel_then_hbone(dns_cluster: Cluster) -> None:
+    """A pod's getaddrinfo of a mesh name goes to a nameserver off the pod, the capture rules send it to ztunnel's
+    DNS proxy in the pod (raw-table CT zones as upstream), which answers from xDS; the connection then goes
+    through HBONE."""
+    c = dns_cluster
+    script = (
+        "import socket\n"
+        "ip = socket.getaddrinfo('echo', 80, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]\n"
+        "s = socket.create_connection((ip, 80), timeout=10)\n"
+        "s.sendall(b'via dns'); s.shutdown(socket.SHUT_WR)\n"
+        "out = b''\n"
+        "while (chunk := s.recv(4096)): out += chunk\n"
+        "print(ip, out.split(b'\\n', 1)[1].decode())\n"
+    )
+    result = await asyncio.to_thread(run_with_pod_dns, c.pods["client"], script)
     ip, _, body = result.stdout.strip().partition(" ")
     assert ip == VIP[0], result.stdout  # answered by ztunnel from its state: no DNS server knows this name
     assert body == "via dns"
-    await asyncio.sleep(0.2)
-    metrics = c.scrape("node1")
-    assert any(s.labels["request_protocol"] == "udp" for s in metrics["istio_dns_requests"])
-    assert any(
-        r["direction"] == "outbound" and r.get("dst.service") == "echo.default.svc.cluster.local"
-        for r in c.access("node1")
+    endpoints = {f"{c.pods[p].ip}:8080" for p in ("server-a", "server-b")}
+
+    def check() -> dict[str, Any]:
+        metrics = c.scrape("node1")
+        assert metric_sum(metrics["istio_dns_requests"], request_protocol="udp", request_query_type="a") >= 1
+        assert metric_sum(metrics.get("istio_dns_upstream_requests", [])) == 0  # nothing forwarded
+        return one_record(c.access("node1"), direction="outbound", **{"dst.service": "echo.default.svc.cluster.local"})
+
+    record = await eventually(check)
+    # HBONE: CONNECT to an endpoint of the service, carried to that pod's 15008, with both identities.
+    assert record["dst.hbone_addr"] in endpoints, record
+    assert record["dst.addr"] == record["dst.hbone_addr"].replace(":8080", ":15008")
+    assert record["src.identity"] == CLIENT_ID and record["dst.identity"] == SERVER_ID
+    assert c.upstream_dns is not None and c.upstream_dns.queries == []
+
+
+def marked_dns_packets(pod: tn.Pod) -> int:
+    """Packets through the pod's raw-table rule for ztunnel's own (mark 1337) DNS queries: ``CT --zone 1``."""
+    saved = pod.exec(["iptables-save", "-c", "-t", "raw"]).stdout
+    (line,) = [ln for ln in saved.splitlines() if "--mark 0x539/0xfff" in ln and "--dport 53" in ln]
+    return int(line[1:].split(":", 1)[0])  # "[packets:bytes] -A ISTIO_OUTPUT ..."
+
+
+async def test_pod_dns_forwards_other_names_from_inside_the_pod(dns_cluster: Cluster) -> None:
+    """A name ztunnel does not own is forwarded to the nameservers of ztunnel's resolv.conf, from inside the pod's
+    namespace with mark 1337 (upstream): the upstream server sees the pod's IP, not the node's, and the pod's
+    rules let the marked query out (counted by the raw-table CT zone rule) instead of capturing it again."""
+    c = dns_cluster
+    upstream = c.upstream_dns
+    assert upstream is not None
+    pod = c.pods["client"]
+    assert marked_dns_packets(pod) == 0
+    script = (
+        "import socket\n"
+        f"print(socket.getaddrinfo({EXTERNAL_NAME!r}, 80, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])\n"
     )
+    result = await asyncio.to_thread(run_with_pod_dns, pod, script)
+    assert result.stdout.strip() == EXTERNAL_IP, result.stderr
+    asked = [
+        (src, transport)
+        for (transport, q), src in zip(upstream.queries, upstream.sources, strict=True)
+        if q.question[0].name.to_text() == EXTERNAL_NAME + "."
+    ]
+    assert asked and set(asked) == {(pod.ip, "udp")}, asked
+    assert marked_dns_packets(pod) >= len(asked)
+
+    def check() -> None:
+        metrics = c.scrape("node1")
+        forwarded = metric_sum(metrics["istio_dns_upstream_requests"], request_query_type="a", request_protocol="udp")
+        assert forwarded == len(asked)
+        assert metric_sum(metrics.get("istio_dns_upstream_failures", [])) == 0
+
+    await eventually(check)

@@ -2,7 +2,7 @@
 
 It answers A and AAAA from a table, NXDOMAIN (with an SOA, for negative caching) for other names, and over UDP
 truncates (TC) to the client's size like a real server. ``mode`` makes it fail on purpose: ``servfail``,
-``refused``, or ``drop`` (never answer). Every query it gets is recorded.
+``refused``, or ``drop`` (never answer). Every query it gets is recorded, with the address it came from.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class UpstreamDns:
         self.records = {dns.name.from_text(k): [ipaddress.ip_address(v) for v in vs] for k, vs in table.items()}
         self.mode = mode
         self.queries: list[tuple[str, dns.message.Message]] = []
+        self.sources: list[str] = []  # the source IP of each of ``queries``
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
         self.host = ""
@@ -72,19 +73,21 @@ class UpstreamDns:
                 resp.answer.append(dns.rrset.from_text(q.name, 300, "IN", dns.rdatatype.to_text(q.rdtype), str(ip)))
         return resp
 
-    def _handle(self, data: bytes, transport: str) -> dns.message.Message | None:
+    def _handle(self, data: bytes, transport: str, source: str) -> dns.message.Message | None:
         try:
             query = dns.message.from_wire(data)
         except Exception:
             return None
         self.queries.append((transport, query))
+        self.sources.append(source)
         return self.answer(query)
 
     async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        source = str(writer.get_extra_info("peername")[0])
         try:
             while True:
                 (length,) = struct.unpack("!H", await reader.readexactly(2))
-                resp = self._handle(await reader.readexactly(length), "tcp")
+                resp = self._handle(await reader.readexactly(length), "tcp", source)
                 if resp is not None:
                     wire = resp.to_wire(max_size=65535)
                     writer.write(struct.pack("!H", len(wire)) + wire)
@@ -103,7 +106,7 @@ class _Udp(asyncio.DatagramProtocol):
         self.transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
-        resp = self.server._handle(data, "udp")
+        resp = self.server._handle(data, "udp", str(addr[0]))
         if resp is None or self.transport is None:
             return
         query_payload = resp.request_payload if resp.request_payload else 512
