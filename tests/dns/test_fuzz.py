@@ -1,9 +1,11 @@
 """Malformed and odd DNS messages: the handler never raises, and the live server keeps answering.
 
 Bounded Hypothesis runs, reproducible (``derandomize``): 100,000 malformed packets through the pure handler
-(1,000 examples of 100 packets, a few seconds), well-formed but unusual queries checked against the protocol
-rules, and a few thousand malformed packets at the live server over UDP and TCP, each batch followed by a good
-query that must still be answered.
+(1,000 examples of 100 packets, a few seconds), 100,000 more through the proxy's request entry point
+(:meth:`DnsProxy.on_request`, forwards and the wait for an unknown client included) on a real event loop, each
+batch followed by good queries (one answered locally, one forwarded) that must be answered correctly,
+well-formed but unusual queries checked against the protocol rules, and a few thousand malformed packets at the
+live server over UDP and TCP, each batch followed by a good query that must still be answered.
 
 A packet is one Hypothesis byte string read as a recipe (one draw per packet keeps 100,000 of them fast): raw
 bytes, a valid seed query with bytes overwritten, a seed cut short with junk appended, or a seed under a random
@@ -39,10 +41,12 @@ from ztunnel.config import SocketAddress
 from ztunnel.dns.handler import MIN_UDP_PAYLOAD, Forward, Reply, Transport, encode
 from ztunnel.dns.server import DnsProxy
 from ztunnel.sockets import SocketConfig, SocketFactory
+from ztunnel.state.workload import Workload
 
 FUZZ_IP = "127.0.53.9"
 BATCH = 100
 PURE_EXAMPLES = 1000  # x BATCH = 100,000 packets
+PROXY_EXAMPLES = 1000  # x BATCH = 100,000 packets through DnsProxy.on_request
 LIVE_EXAMPLES = 30  # x BATCH x 2 transports = 6,000 packets
 
 
@@ -148,6 +152,83 @@ def test_pure_handler_survives_100k_malformed_packets(caplog: pytest.LogCaptureF
     # The recipes reach every path, not just the parser's rejections.
     assert all(v > 1000 for v in kinds.values()), kinds
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "handler raised internally"
+
+
+# -- the proxy's request path, in process ---------------------------------------------------------------------
+
+
+def answers(wire: bytes) -> list[str]:
+    return [rd.to_text() for r in dns.message.from_wire(wire).answer for rd in r if r.rdtype == dns.rdatatype.A]
+
+
+def test_proxy_on_request_survives_100k_malformed_packets(caplog: pytest.LogCaptureFixture) -> None:
+    """What the UDP and TCP listeners do with each message, without sockets: ``on_request`` with a recording
+    send. Every 17th packet arrives while the client is not yet known (the wait-for-workload path); forwards go to
+    the fake upstream. After each batch, once its tasks are done, a mesh name and a forwarded name are answered
+    correctly, and nothing was left in flight."""
+    loop = uvloop.new_event_loop()
+    errors: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    known = True
+
+    async def appears() -> Workload:
+        return CLIENT  # xDS "delivers" the workload at once: the wait path without the 5 s
+
+    fwd = FakeForwarder()
+    proxy = DnsProxy(
+        SocketAddress(FUZZ_IP, 0),
+        new_state(),
+        lambda: CLIENT if known else None,
+        fwd,
+        SocketFactory(SocketConfig()),
+        wait_local_workload=appears,
+    )
+    count = 0
+    kinds = {"sync": 0, "later": 0, "silent": 0}
+
+    async def batch_through_proxy(batch: list[bytes]) -> None:
+        nonlocal known, count
+        sent: list[list[bytes]] = [[] for _ in batch]
+        tasks: list[asyncio.Task[None] | None] = []
+        for i, pkt in enumerate(batch):
+            known = i % 17 != 0
+            transport = Transport.TCP if i % 3 == 0 else Transport.UDP
+            task = proxy.on_request(pkt, transport, sent[i].append)
+            kinds["sync" if sent[i] else "later" if task is not None else "silent"] += 1
+            tasks.append(task)
+        known = True
+        await asyncio.gather(*(t for t in tasks if t is not None))
+        count += len(batch)
+        for pkt, replies, task in zip(batch, sent, tasks, strict=True):
+            # One answer per request, never two; a request that went on to a task is answered by it.
+            assert len(replies) == 1 if task is not None else len(replies) <= 1, (pkt, replies)
+            if replies:
+                wire = replies[0]  # a response to this request's ID (the full parse is the pure test's job)
+                assert len(wire) >= 12 and wire[:2] == pkt[:2] and wire[2] & 0x80, (pkt, wire)
+        assert proxy._in_flight == 0
+        fwd.forwarded.clear()
+        for name, want in (("productpage.ns1.", ["9.9.9.9"]), ("www.bing.com.", ["1.1.1.1"])):
+            got: list[bytes] = []
+            task = proxy.on_request(dns.message.make_query(name, "A").to_wire(), Transport.UDP, got.append)
+            if task is not None:
+                await task
+            assert len(got) == 1 and answers(got[0]) == want, name
+
+    @settings(fuzz_settings, max_examples=PROXY_EXAMPLES)
+    @given(batches)
+    def run(batch: list[bytes]) -> None:
+        loop.run_until_complete(batch_through_proxy(batch))
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="ztunnel"):
+            run()
+    finally:
+        loop.run_until_complete(proxy.close())
+        loop.close()
+    assert count >= 100_000
+    assert all(v > 1000 for v in kinds.values()), kinds  # local answers, forwards/waits, and drops all reached
+    assert not errors, errors[:3]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 labels = st.one_of(
