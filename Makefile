@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test lint typecheck unit demo bench protos lock clean
+.PHONY: test lint typecheck unit demo demo-control-plane bench protos lock clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ test: lint typecheck unit
 
 demo: $(STAMP)
 	$(PY) -m ztunnel.demo
+
+# The same demo with config and certificates from the local control plane over gRPC (FAKE_CA=false, tokens).
+demo-control-plane: $(STAMP)
+	$(PY) -m ztunnel.demo --control-plane
 
 bench: $(STAMP)
 	$(PY) -m bench $(BENCH_ARGS)
