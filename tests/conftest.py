@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -8,8 +9,26 @@ import pytest
 import uvloop
 
 
+class _TestLoop(uvloop.Loop):
+    """uvloop, but a handle left open by a test fails that test instead of hanging the run.
+
+    uvloop's ``close()`` warns (ResourceWarning) for each handle still open and then closes it. Under
+    ``filterwarnings = error`` the warning is raised inside uvloop's close-all-handles callback, the handle is never
+    closed and ``close()`` waits for it forever (uvloop 0.23): one test failing before it stopped its server would
+    stall the whole session in the loop fixture's teardown, out of pytest-timeout's reach. So the warnings are
+    collected while closing and raised once the loop is closed.
+    """
+
+    def close(self) -> None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            super().close()
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], Any]]:
     # The product runs on uvloop; tests marked `both_loops` also run on the stdlib loop (the fallback).
     if item.get_closest_marker("both_loops") is not None:
-        return {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
-    return {"uvloop": uvloop.new_event_loop}
+        return {"uvloop": _TestLoop, "asyncio": asyncio.new_event_loop}
+    return {"uvloop": _TestLoop}

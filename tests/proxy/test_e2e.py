@@ -233,12 +233,29 @@ async def test_inbound_status_codes(
     assert any(log in r.getMessage() + str(getattr(r, "fields", "")) for r in caplog.records), caplog.text
 
 
-async def test_unknown_local_workload_is_503(node_b: Any, ca: LocalCA) -> None:
+async def wait_logged(caplog: pytest.LogCaptureFixture, logger: str, message: str) -> dict[str, Any]:
+    """The structured fields of the first ``logger`` record with ``message`` (waiting up to 5 s for it)."""
+    for _ in range(250):
+        for r in caplog.records:
+            if r.name == logger and r.getMessage() == message:
+                fields: dict[str, Any] = getattr(r, "fields", {})
+                return fields
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no {logger!r} record {message!r} in:\n{caplog.text}")
+
+
+async def test_unknown_local_workload_is_503(node_b: Any, ca: LocalCA, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="access")
     conn = await client_conn(ca)
     node_b.state.apply(StateUpdate(removed_workloads=["Kubernetes//v1/Pod/default/server"]))
     status, _ = await hbone_request(conn, f"{NODE_B_IP}:8080")
     assert status == 503
     conn.close("test done")
+    # The acceptance's "clear log line": the access log names the reason and the workload ztunnel proxies.
+    fields = await wait_logged(caplog, "access", "connection complete")
+    assert fields["error"] == "unknown local workload default/server (sa server)", fields
+    assert fields["direction"] == "inbound"
+    assert fields["src.identity"] == str(CLIENT_ID)
 
 
 async def test_client_without_certificate_fails_handshake(node_b: Any, ca: LocalCA) -> None:
@@ -263,8 +280,9 @@ async def test_client_from_other_trust_domain_rejected(node_b: Any, ca: LocalCA)
         await hbone_request(conn, f"{NODE_B_IP}:8080")
 
 
-async def test_server_identity_not_expected_is_refused(tmp_path: Path) -> None:
+async def test_server_identity_not_expected_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Node B presents an identity node A does not expect for that destination: A refuses, the client is closed."""
+    caplog.set_level(logging.INFO, logger="access")
     impostor = tmp_path / "impostor.yaml"
     impostor.write_text(TWO_NODE.read_text().replace("serviceAccount: server", "serviceAccount: impostor"))
     ca = tmp_path / "ca"
@@ -277,7 +295,15 @@ async def test_server_identity_not_expected_is_refused(tmp_path: Path) -> None:
             await socks5_connect(SOCKS_A, *SERVICE_VIP)
         a: Any = a_app
         assert a.proxy.pi.pool.dials == 0
+        fields = await wait_logged(caplog, "access", "connection complete")
     assert echo.connections == 0
+    # Node A's outbound access log says which identity it got, which it expected, and what to check.
+    assert fields["direction"] == "outbound", fields
+    assert fields["error"] == (
+        f"TLS to {NODE_B_IP}:15008: server certificate identities (spiffe://cluster.local/ns/default/sa/impostor) "
+        "do not match the expected identities (spiffe://cluster.local/ns/default/sa/server); check the destination "
+        "workload's service account and the service's subjectAltNames"
+    ), fields
     await echo.stop()
 
 

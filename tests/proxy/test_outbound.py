@@ -455,6 +455,22 @@ def test_service_vip_to_hbone_endpoint_sans_are_service_sans_then_workload() -> 
     assert req.actual_destination_workload == ep
 
 
+def test_expected_sans_without_duplicates() -> None:
+    # The usual case: the service's SAN is the endpoint's own identity. It is expected once, not twice.
+    service = svc(
+        "echo",
+        "10.96.0.1",
+        subject_alt_names=(
+            f"spiffe://{TD}/ns/{NS}/sa/echo",
+            f"spiffe://{TD}/ns/{NS}/sa/a",
+            f"spiffe://{TD}/ns/{NS}/sa/a",
+        ),
+    )
+    ep = wl("echo-1", "10.0.0.7", sa="echo", protocol=HBONE, services={"ns/echo": {80: 8080}})
+    req = run([service, ep], "10.96.0.1:80")
+    assert req.upstream_sans == (Identity(TD, NS, "echo"), Identity(TD, NS, "a"))
+
+
 def test_tcp_request_still_carries_sans_for_telemetry() -> None:
     service = svc("echo", "10.96.0.1", subject_alt_names=("spiffe://cluster.local/ns/ns/sa/a",))
     ep = wl("echo-1", "10.0.0.7", sa="echo", services={"ns/echo": {80: 8080}})

@@ -59,15 +59,20 @@ class Upstream:
     needs_dns: bool = False  # only a hostname is known: resolve ``workload.hostname`` before connecting
 
     def workload_and_services_san(self) -> tuple[Identity, ...]:
-        """Identities the server may present: the service's SANs, then the workload's own identity."""
-        out = []
+        """Identities the server may present: the service's SANs, then the workload's own identity.
+
+        Duplicates are dropped (first occurrence kept): a service whose SAN is its workloads' identity is the common
+        case, and the list is shown to operators in the identity-mismatch error.
+        """
+        out: list[Identity] = []
         for san in self.service_sans:
             ident = Identity.try_parse(san)
             if ident is None:
                 log.warning("ignoring invalid SAN %s", san)
-            else:
+            elif ident not in out:
                 out.append(ident)
-        out.append(self.workload.identity)
+        if self.workload.identity not in out:
+            out.append(self.workload.identity)
         return tuple(out)
 
 
