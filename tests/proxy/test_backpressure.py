@@ -1,0 +1,184 @@
+"""Backpressure end to end: a fast sender through SOCKS5 -> HBONE to a reader that stops reading (the app for an
+upload, the client for a download).
+
+What ztunnel holds must stay bounded by its design, not by what the sender offers (ztunnel-facts.md §3.4, relay.py):
+the ztunnel next to the stalled reader keeps writing to its socket only until the 4 MiB stream window is used up
+(it stops releasing window once the socket's write buffer passes its high-water mark), and the one next to the
+sender stops reading it once the window is closed or its TLS socket's buffer is above 1 MiB. So both ztunnels
+together hold about one stream window plus the write high-water marks, whatever is sent (64 MiB here); the rest
+waits in the sender and the kernels' socket buffers. When the reader reads again every byte arrives, in order (sha256).
+
+Two in-process ztunnels on loopback, so their connections can be inspected; RSS is this whole process's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ztunnel.proxy.hbone.connection import WRITE_HIGH_WATER, HboneTransport
+from ztunnel.proxy.relay import PLAIN_HIGH_WATER, HboneStream, PlainConnection
+from ztunnel.testing import TwoNodeMesh, running_app
+
+MiB = 1024 * 1024
+TOTAL = 64 * MiB
+STREAM_WINDOW = 4 * MiB
+# One stream window in flight to node B's app socket, plus the write high-water marks of the plaintext socket and of
+# the TLS socket, plus a relay read buffer (256 KiB) and a frame of slack.
+BOUND = STREAM_WINDOW + PLAIN_HIGH_WATER + WRITE_HIGH_WATER + 2 * MiB
+
+
+class AppSocket:
+    """The app: a plain socket, read (``sock_recv``) or written (``sock_sendall``) only when the test says so, so
+    nothing reads it behind the test's back (an event-loop transport would start reading at once)."""
+
+    def __init__(self, addr: tuple[str, int]) -> None:
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(addr)
+        self.listener.listen()
+        self.listener.setblocking(False)
+        self.conn: socket.socket | None = None
+
+    async def accept(self) -> None:
+        self.conn, _ = await asyncio.get_running_loop().sock_accept(self.listener)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self.listener.close()
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def plain_held(plain: PlainConnection | None) -> int:
+    """Bytes a plaintext side holds: its transport's write buffer plus what it read but could not pass on yet."""
+    if plain is None or plain.transport is None:
+        return 0
+    return plain.transport.get_write_buffer_size() + (plain.end - plain.start)
+
+
+def held(conns: list[HboneTransport]) -> int:
+    """What ztunnel buffers for these HBONE connections and their tunnels."""
+    total = 0
+    for conn in conns:
+        if conn.transport is not None:
+            total += conn.transport.get_write_buffer_size()
+        for h in conn.handlers.values():
+            if isinstance(h, HboneStream):
+                total += plain_held(h.plain) + sum(map(len, h._early))
+    return total
+
+
+@pytest.fixture
+async def nodes(tmp_path: Path) -> AsyncIterator[tuple[TwoNodeMesh, Any, Any]]:
+    m = TwoNodeMesh(tmp_path)
+    async with running_app(m.env_a()) as a, running_app(m.env_b()) as b:
+        yield m, a, b
+
+
+def stream_of(conns: list[HboneTransport]) -> HboneStream:
+    (conn,) = conns
+    (stream,) = conn.handlers.values()
+    assert isinstance(stream, HboneStream) and stream.plain is not None
+    return stream
+
+
+@pytest.mark.parametrize("direction", ["upload", "download"])
+async def test_stalled_reader_bounds_what_ztunnel_holds(nodes: tuple[TwoNodeMesh, Any, Any], direction: str) -> None:
+    """upload: the client sends, the app stops reading; download: the app sends, the client stops reading."""
+    m, a, b = nodes
+    loop = asyncio.get_running_loop()
+    app = AppSocket(m.server_app)
+    reader, writer = await m.socks5()
+    await asyncio.wait_for(app.accept(), 10)
+    assert app.conn is not None
+    app_sock = app.conn
+
+    def conns_a() -> list[HboneTransport]:
+        return a.proxy.pi.pool.connections()  # type: ignore[no-any-return]
+
+    def conns_b() -> list[HboneTransport]:
+        return list(b.proxy.inbound.connections)
+
+    block = os.urandom(MiB)
+    chunks = [block[i * 4096 :] + block[: i * 4096] for i in range(8)]  # 8 distinct MiB, reused round-robin
+    sent_sha, got_sha = hashlib.sha256(), hashlib.sha256()
+    sent = received = 0
+
+    async def send() -> None:
+        nonlocal sent
+        for i in range(TOTAL // MiB):
+            chunk = chunks[i % len(chunks)]
+            sent_sha.update(chunk)
+            if direction == "upload":
+                writer.write(chunk)
+                await writer.drain()
+            else:
+                await loop.sock_sendall(app_sock, chunk)
+            sent += len(chunk)
+        if direction == "upload":
+            writer.write_eof()
+        else:
+            app_sock.shutdown(socket.SHUT_WR)
+
+    async def receive() -> None:
+        """The stalled side reads again: everything, until EOF."""
+        nonlocal received
+        while True:
+            data = await (loop.sock_recv(app_sock, MiB) if direction == "upload" else reader.read(MiB))
+            if not data:
+                return
+            got_sha.update(data)
+            received += len(data)
+
+    rss_before = rss()
+    sender = asyncio.ensure_future(send())  # noqa: TID251 - test-owned, awaited below
+
+    # Wait until the sender is stuck: nothing more accepted for a second.
+    last, still_since, deadline = -1, time.monotonic(), time.monotonic() + 30
+    peak_a = peak_b = 0
+    while time.monotonic() - still_since < 1.0:
+        assert time.monotonic() < deadline, f"sender never stalled ({sent} bytes accepted)"
+        peak_a, peak_b = max(peak_a, held(conns_a())), max(peak_b, held(conns_b()))
+        if sent != last:
+            last, still_since = sent, time.monotonic()
+        await asyncio.sleep(0.02)
+    assert not sender.done()
+    stalled_at = sent
+    held_a, held_b = held(conns_a()), held(conns_b())
+    rss_growth = rss() - rss_before
+
+    report = (
+        f"{direction}: sender stalled at {stalled_at / MiB:.1f} MiB; ztunnel A holds {held_a / MiB:.2f} MiB (peak "
+        f"{peak_a / MiB:.2f}), B {held_b / MiB:.2f} MiB (peak {peak_b / MiB:.2f}); RSS +{rss_growth / MiB:.1f} MiB"
+    )
+    print(report)
+    assert stalled_at < TOTAL - 16 * MiB, report  # most of the 64 MiB is still waiting in the sender
+    assert held_a + held_b <= BOUND, report
+    assert peak_a + peak_b <= BOUND, report
+    # The ztunnel next to the stalled reader used up the stream window into that socket's buffer, and no more; the
+    # one next to the sender stopped reading it.
+    sink, source = (held_b, conns_a()) if direction == "upload" else (held_a, conns_b())
+    assert sink <= STREAM_WINDOW + PLAIN_HIGH_WATER + MiB, report
+    plain = stream_of(source).plain
+    assert plain is not None and plain.reading_paused, report
+    # This process holds the sender, both ztunnels and the app: it did not grow by anything like what was sent.
+    assert rss_growth < 24 * MiB, report
+
+    await asyncio.wait_for(asyncio.gather(sender, receive()), 60)
+    assert received == TOTAL
+    assert got_sha.hexdigest() == sent_sha.hexdigest()
+    writer.close()
+    app.close()
