@@ -105,3 +105,55 @@ def test_proxy_runs_on_local_config_and_exits_cleanly_on_sigterm(tmp_path: Path)
         proc.kill()
     assert proc.returncode == 0, err
     assert "shutdown complete" in out
+
+
+def test_proxy_raises_the_open_files_limit_at_start(tmp_path: Path) -> None:
+    """As upstream, ztunnel lifts its soft RLIMIT_NOFILE to the hard limit before serving (a node's pods need
+    thousands of sockets): started with a soft limit of 256, it runs with the hard limit, and process_max_fds
+    reports it."""
+    import resource
+    import urllib.request
+
+    import pytest
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    from ztunnel.testing import TwoNodeMesh
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"the hard open-files limit ({hard}) leaves no room to start below it")
+
+    m = TwoNodeMesh(tmp_path)
+    # The child lowers its own soft limit, then runs `ztunnel proxy` as `python -m ztunnel` would.
+    start = (
+        "import resource, runpy, sys\n"
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, (256, {hard}))\n"
+        "sys.argv = ['ztunnel', 'proxy']\n"
+        "runpy.run_module('ztunnel', run_name='__main__', alter_sys=True)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", start],
+        env={"PATH": os.environ["PATH"], **m.env_a()},
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "ztunnel did not become ready"
+            try:
+                with urllib.request.urlopen(f"http://{m.node_a}:15021/healthz/ready", timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.05)
+        (line,) = [x for x in Path(f"/proc/{proc.pid}/limits").read_text().splitlines() if "Max open files" in x]
+        want = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+        assert line.split()[3:5] == [want, want], line  # soft and hard
+        with urllib.request.urlopen(f"http://{m.node_a}:15020/metrics", timeout=5) as r:
+            fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        if hard != resource.RLIM_INFINITY:
+            assert fams["process_max_fds"].samples[0].value == hard
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0

@@ -220,3 +220,87 @@ async def test_unknown_path_is_404(traffic: tuple[TwoNodeMesh, int, int]) -> Non
         await asyncio.to_thread(scrape, m.node_a, "/nope")
     e.value.close()
     assert e.value.code == 404
+
+
+# -- long-lived connections: bytes reach the counters before the connection closes ----------------------------------
+
+
+async def test_periodic_flush_counts_bytes_of_open_connections_once() -> None:
+    """The relay keeps plain ints; the flusher adds what is new every interval, and the close adds only the rest."""
+    import ipaddress
+
+    from ztunnel.proxy.connection_manager import ConnectionManager, ConnectionRecord, Direction
+    from ztunnel.proxy.metrics import TrafficMetrics, flush_periodically
+
+    traffic = TrafficMetrics(Registry())
+    manager = ConnectionManager(traffic)
+    counted = {"sent": 0, "recv": 0}
+    ip = ipaddress.ip_address("10.0.0.1")
+    record = ConnectionRecord(Direction.OUTBOUND, (ip, 1), (ip, 2))
+    record.bytes_sent, record.bytes_recv = (lambda: counted["sent"]), (lambda: counted["recv"])
+    manager.register(record)
+    assert record.metrics is not None
+    flusher = asyncio.ensure_future(flush_periodically(manager, traffic, interval=0.01))  # noqa: TID251 - test
+    try:
+        counted.update(sent=100, recv=1000)
+        await asyncio.sleep(0.05)
+        assert (record.metrics.sent.value, record.metrics.received.value) == (100, 1000)
+        counted.update(sent=150, recv=4000)
+        await asyncio.sleep(0.05)
+        assert (record.metrics.sent.value, record.metrics.received.value) == (150, 4000)
+        counted.update(sent=160)
+        manager.release(record)  # the close adds the last 10 bytes, not the 150 already flushed
+        assert (record.metrics.sent.value, record.metrics.received.value) == (160, 4000)
+        counted.update(sent=999)
+        await asyncio.sleep(0.05)  # a released connection is no longer flushed
+        assert record.metrics.sent.value == 160
+    finally:
+        flusher.cancel()
+
+
+async def test_long_lived_connection_bytes_scraped_before_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Upstream counts bytes as they are copied; here a flush every FLUSH_INTERVAL (5 s, 0.1 s for this test) makes
+    an open connection's bytes visible to a scrape on both reporters, and its close does not count them again."""
+    from ztunnel.proxy import metrics as proxy_metrics
+
+    monkeypatch.setattr(proxy_metrics, "FLUSH_INTERVAL", 0.1)
+    m = TwoNodeMesh(tmp_path)
+    echo = await EchoServer().start(*m.server_app)
+
+    async def bytes_on_both(expect: int) -> None:
+        for node in (m.node_a, m.node_b):
+            for _ in range(50):
+                scraped = samples((await asyncio.to_thread(scrape, node))[0])
+                received = [s.value for s in scraped.get("istio_tcp_received_bytes", [])]
+                sent = [s.value for s in scraped.get("istio_tcp_sent_bytes", [])]
+                if received == sent == [expect]:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError(f"{node}: received {received}, sent {sent}, want {expect}")
+
+    try:
+        async with running_app(m.env_a()), running_app(m.env_b()):
+            reader, writer = await m.socks5()
+            try:
+                writer.write(b"x" * 50_000)
+                assert len(await asyncio.wait_for(reader.readexactly(50_000), 10)) == 50_000
+                await bytes_on_both(50_000)  # still open
+                a = samples((await asyncio.to_thread(scrape, m.node_a))[0])
+                assert "istio_tcp_connections_closed" not in a
+                assert {s.labels["reporter"]: s.value for s in a["istio_tcp_sockets_open"]} == {"source": 1}
+                writer.write(b"y" * 20_000)
+                await asyncio.wait_for(reader.readexactly(20_000), 10)
+                await bytes_on_both(70_000)  # still open, and growing
+                writer.write_eof()
+                assert await asyncio.wait_for(reader.read(), 10) == b""
+            finally:
+                writer.close()  # (a client left open would hang the test loop's close on failure)
+            await asyncio.sleep(0.3)
+            await bytes_on_both(70_000)  # closed: the same total, not counted twice
+            a = samples((await asyncio.to_thread(scrape, m.node_a))[0])
+            assert [s.value for s in a["istio_tcp_connections_closed"]] == [1]
+    finally:
+        await echo.stop()

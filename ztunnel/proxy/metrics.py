@@ -214,13 +214,15 @@ class TrafficMetrics:
         self.sockets_open.child((("reporter", labels[0][1]),)).value -= 1
 
 
-async def flush_periodically(manager: object, metrics: TrafficMetrics, interval: float = FLUSH_INTERVAL) -> None:
-    """Add the bytes of long-lived connections to the counters every ``interval`` seconds."""
+async def flush_periodically(manager: object, metrics: TrafficMetrics, interval: float | None = None) -> None:
+    """Add the bytes of long-lived connections to the counters every ``interval`` seconds (``FLUSH_INTERVAL``, read
+    when the flusher starts, so tests can shorten it)."""
     from ztunnel.proxy.connection_manager import ConnectionManager
 
     assert isinstance(manager, ConnectionManager)
+    period = FLUSH_INTERVAL if interval is None else interval
     while True:
-        await asyncio.sleep(interval)
+        await asyncio.sleep(period)
         for record in manager:
             if record.metrics is not None:
                 metrics.flush(record.metrics, record.bytes_sent(), record.bytes_recv())
