@@ -368,6 +368,7 @@ class HboneConnection:
         if self._pinned or size < need:
             # A consumer still holds views into the old buffer (leave it to them), or a frame needs more room.
             self._pinned = False
+            size = max(size, _MIN_BUFFER)
             while size < need:
                 size *= 2
             new = bytearray(size)
