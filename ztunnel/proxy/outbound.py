@@ -384,6 +384,9 @@ async def connect_plain(
     except OSError as e:
         sock.close()
         raise ProxyError(f"failed to connect to {format_addr(*dst)}: {e.strerror or e}") from None
+    except asyncio.CancelledError:
+        sock.close()  # the stream this was for went away first
+        raise
     return upstream
 
 
@@ -393,9 +396,6 @@ async def _resolve(req: Request) -> Request:
     loop = asyncio.get_running_loop()
     try:
         infos = await loop.getaddrinfo(req.resolve_hostname, None, type=socket.SOCK_STREAM)
-    except asyncio.CancelledError:
-        sock.close()  # the stream this was for went away first
-        raise
     except OSError as e:
         raise ProxyError(f"dns lookup of {req.resolve_hostname} failed: {e}") from None
     ips = [ipaddress.ip_address(i[4][0]) for i in infos]
