@@ -47,6 +47,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 import hpack.hpack
+import hyperframe.frame
 
 # Frame header: 24-bit length + 8-bit type packed as one u32, then flags (u8) and stream id (u32).
 _HEADER = struct.Struct(">IBI")
@@ -85,6 +86,16 @@ class _NoLog:
 
 
 hpack.hpack.log = _NoLog()  # type: ignore[assignment]
+
+
+def _frame_repr(frame: hyperframe.frame.Frame) -> str:
+    return f"{type(frame).__name__}(stream_id={frame.stream_id})"
+
+
+# h2 formats every frame it receives for a trace line before knowing whether anything logs it
+# (``logger.trace("Received frame: %s", repr(frame))``), and hyperframe's repr hex-encodes the payload: 1.5 µs per
+# HEADERS frame, 0.4 µs per WINDOW_UPDATE, against 0.1 µs for this short form (type and stream are kept).
+hyperframe.frame.Frame.__repr__ = _frame_repr  # type: ignore[method-assign]
 
 
 class ErrorCode(enum.IntEnum):
