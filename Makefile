@@ -27,6 +27,13 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
+# The fuzz tests at 100x their bounded example counts, with random inputs (FUZZ_MAX_EXAMPLES=10000 is the scale:
+# 100 = as in `make test`); prints how many examples each target ran.
+FUZZ_MAX_EXAMPLES ?= 10000
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz FUZZ_MAX_EXAMPLES=$(FUZZ_MAX_EXAMPLES) $(PY) -m pytest -q --timeout 0 \
+		--hypothesis-show-statistics $(PYTEST_ARGS) $$(find tests -name 'test_*_fuzz.py' | sort) tests/xds/test_wire.py
+
 demo: $(STAMP)
 	$(PY) -m ztunnel.demo
 

@@ -1,12 +1,24 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import uvloop
+from hypothesis import HealthCheck, settings
+
+# `make fuzz` sets HYPOTHESIS_PROFILE=fuzz: random (not derandomized) exploration, failures kept in .hypothesis/,
+# and every fuzz test's bounded example count multiplied by max_examples / 100 (tests/fuzzing.py).
+settings.register_profile(
+    "fuzz",
+    max_examples=int(os.environ.get("FUZZ_MAX_EXAMPLES", "10000")),
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 class _TestLoop(uvloop.Loop):
