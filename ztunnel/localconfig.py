@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+import reprlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -68,6 +69,12 @@ E = TypeVar("E", bound=enum.Enum)
 T = TypeVar("T")
 
 
+# YAML limits, as upstream's serde_yaml: nesting deeper than 128 levels, and a document whose aliases expand it more
+# than 100-fold (a "billion laughs" file: 2 KB of nested aliases is 10^8 values once walked), are refused.
+MAX_DEPTH = 128
+MAX_EXPANSION = 100
+
+
 class LocalConfigError(ValueError):
     """A malformed local config. ``str()`` reads ``<source>: <path>: <problem>``."""
 
@@ -86,6 +93,113 @@ class LocalConfig:
     raw: Mapping[str, Any]
 
 
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses what serde_yaml refuses: duplicate keys, nesting beyond :data:`MAX_DEPTH`,
+    and values its constructors cannot build (``!!bool maybe``, ``2020-13-45``, a 5,000-digit integer), each as a
+    ``MarkedYAMLError`` with the line and column instead of a bare ``KeyError``/``ValueError``/``RecursionError``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
+                raise yaml.composer.ComposerError(None, None, f"nesting deeper than {MAX_DEPTH} levels", mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_object(self, node: Any, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except yaml.YAMLError:
+            raise
+        except (ValueError, LookupError, TypeError, ArithmeticError) as e:  # whatever a conversion raises
+            what = node.tag.rsplit(":", 1)[-1]
+            if isinstance(node, yaml.ScalarNode):
+                what += f" {_show(node.value)}"
+            raise yaml.constructor.ConstructorError(None, None, f"cannot read {what}: {e}", node.start_mark) from None
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # ``<<: *base``: merged keys may be overridden
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:
+                continue  # unhashable: the base class reports it with its mark
+            if duplicate:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {_show(key)}", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+def _expanded_size(root: yaml.Node, limit: int) -> int:
+    """Nodes in the document with every alias expanded, counting stops just past ``limit`` (also ends cycles)."""
+    count, stack = 0, [root]
+    while stack and count <= limit:
+        node = stack.pop()
+        count += 1
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                stack += (k, v)
+    return count
+
+
+def _distinct_nodes(root: yaml.Node) -> int:
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                stack += (k, v)
+    return len(seen)
+
+
+def _load_yaml(text: str) -> Any:
+    loader = _Loader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return None
+        limit = MAX_EXPANSION * _distinct_nodes(root)
+        if _expanded_size(root, limit) > limit:
+            raise yaml.composer.ComposerError(
+                None, None, f"aliases expand the document more than {MAX_EXPANSION}-fold", root.start_mark
+            )
+        return loader.construct_document(root)
+    finally:
+        loader.dispose()
+
+
+# Values quoted in error messages are cut short: a wrong-typed value may be an alias of a huge structure.
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = 80
+_repr.maxlist = _repr.maxdict = _repr.maxset = _repr.maxtuple = 5
+_repr.maxlevel = 3
+_repr.maxlong = 40
+
+
+def _show(value: Any) -> str:
+    try:
+        return _repr.repr(value)
+    except ValueError:  # an integer too long for str() (hex input is not limited)
+        return f"<{type(value).__name__} too large to show>"
+
+
 class _Reader:
     """Walks the YAML document; every accessor knows the path of the value it reads."""
 
@@ -100,10 +214,10 @@ class _Reader:
             raise self.fail(path, f"expected a mapping, got {_kind(node)}")
         for key in node:
             if not isinstance(key, str):
-                raise self.fail(path, f"keys must be strings, got {key!r}")
+                raise self.fail(path, f"keys must be strings, got {_show(key)}")
             if key not in allowed:
                 raise self.fail(
-                    _join(path, key), f"unknown field {key!r}; expected one of: {', '.join(sorted(allowed))}"
+                    _join(path, key), f"unknown field {_show(key)}; expected one of: {', '.join(sorted(allowed))}"
                 )
         for key in sorted(required):
             if node.get(key) is None:
@@ -121,21 +235,22 @@ class _Reader:
         if node is None:
             return default
         if not isinstance(node, str):
-            raise self.fail(path, f"expected a string, got {_kind(node)} {node!r}")
+            raise self.fail(path, f"expected a string, got {_kind(node)} {_show(node)}")
         return node
 
     def flag(self, node: Any, path: str, default: bool = False) -> bool:
         if node is None:
             return default
         if not isinstance(node, bool):
-            raise self.fail(path, f"expected true or false, got {node!r}")
+            raise self.fail(path, f"expected true or false, got {_show(node)}")
         return node
 
     def integer(self, node: Any, path: str, *, minimum: int = 0, maximum: int = 2**32 - 1) -> int:
-        if isinstance(node, str) and node.strip().isdigit():
+        # A quoted number is accepted (ASCII digits only: "²".isdigit() is true, and int() refuses it).
+        if isinstance(node, str) and node.strip().isascii() and node.strip().isdigit() and len(node.strip()) <= 20:
             node = int(node)
         if not isinstance(node, int) or isinstance(node, bool) or not minimum <= node <= maximum:
-            raise self.fail(path, f"expected an integer from {minimum} to {maximum}, got {node!r}")
+            raise self.fail(path, f"expected an integer from {minimum} to {maximum}, got {_show(node)}")
         return node
 
     def port(self, node: Any, path: str) -> int:
@@ -148,14 +263,14 @@ class _Reader:
             if member.value == node:
                 return member
         accepted = ", ".join(str(m.value) for m in cls)
-        raise self.fail(path, f"unknown value {node!r}; expected one of: {accepted}")
+        raise self.fail(path, f"unknown value {_show(node)}; expected one of: {accepted}")
 
     def ip(self, node: Any, path: str) -> IPAddress:
         text = self.text(node, path)
         try:
             return canonical_ip(ipaddress.ip_address(text))
         except ValueError:
-            raise self.fail(path, f"{text!r} is not an IP address") from None
+            raise self.fail(path, f"{_show(text)} is not an IP address") from None
 
     def parsed(self, node: Any, path: str, parse: Callable[[str], T]) -> T:
         text = self.text(node, path)
@@ -171,8 +286,8 @@ class _Reader:
             raise self.fail(path, f"expected a mapping of port to port, got {_kind(node)}")
         out = {}
         for k, v in node.items():
-            key = self.port(k, f"{path}[{k!r}]")
-            out[key] = self.port(v, _join(path, str(k)))
+            key = self.port(k, f"{path}[{_show(k)}]")
+            out[key] = self.port(v, _join(path, str(key)))
         return MappingProxyType(out)
 
 
@@ -251,7 +366,7 @@ def _workload(r: _Reader, node: Any, path: str, trust_domain: str) -> Workload:
                 p("services"), f'expected a mapping of "namespace/hostname" to ports, got {_kind(raw_services)}'
             )
         for key, ports in raw_services.items():
-            spath = f"{p('services')}[{key!r}]"
+            spath = f"{p('services')}[{_show(key)}]"
             services[r.parsed(key, spath, NamespacedHostname.parse)] = r.port_map(ports, spath)
     tunnel = None
     if o.get("applicationTunnel") is not None:
@@ -341,7 +456,7 @@ def _service(r: _Reader, node: Any, path: str) -> Service:
         if not isinstance(o["endpoints"], dict):
             raise r.fail(p("endpoints"), f"expected a mapping of workload uid to endpoint, got {_kind(o['endpoints'])}")
         for uid, ep in o["endpoints"].items():
-            epath = f"{p('endpoints')}[{uid!r}]"
+            epath = f"{p('endpoints')}[{_show(uid)}]"
             e = r.obj(ep, epath, {"workloadUid", "port", "status"}, frozenset({"workloadUid"}))
             endpoints[r.text(uid, epath)] = Endpoint(
                 workload_uid=r.text(e["workloadUid"], _join(epath, "workloadUid")),
@@ -418,7 +533,8 @@ def _string_match(r: _Reader, node: Any, path: str) -> StringMatch:
             return StringMatch(StringMatchKind.PRESENCE)
         if kind in ("Exact", "Prefix", "Suffix"):
             return StringMatch(StringMatchKind(kind), r.text(value, _join(path, kind)))
-    raise r.fail(path, f"expected one of {{Exact: str}}, {{Prefix: str}}, {{Suffix: str}} or Presence, got {node!r}")
+    expected = "{Exact: str}, {Prefix: str}, {Suffix: str} or Presence"
+    raise r.fail(path, f"expected one of {expected}, got {_show(node)}")
 
 
 def _match(r: _Reader, node: Any, path: str) -> Match:
@@ -494,7 +610,7 @@ def parse_local_config(text: str, source: str = "LOCAL_XDS", trust_domain: str =
     """Parse and validate a local config document; raise :class:`LocalConfigError` on the first problem."""
     r = _Reader(source)
     try:
-        doc = yaml.safe_load(text)
+        doc = _load_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
