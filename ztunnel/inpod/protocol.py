@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 
 from xds.istio.workload.zds import zds_pb2
 from ztunnel.config import WorkloadInfo
+from ztunnel.xds.wire import describe_decode_error
 
 MAX_PACKET = 1024  # upstream's read buffer; a longer message arrives truncated (MSG_TRUNC) and is refused
 
@@ -74,7 +75,8 @@ def decode(data: bytes, fds: list[int], flags: int) -> WorkloadMessage:
         try:
             req.ParseFromString(data)
         except DecodeError as e:
-            raise ZdsMessageError(f"invalid WorkloadRequest: {e}") from None
+            where = describe_decode_error(zds_pb2.WorkloadRequest, data)  # upb does not say where
+            raise ZdsMessageError(f"invalid WorkloadRequest ({len(data)} bytes): {where or e}") from None
         kind = req.WhichOneof("payload")
         if kind is None:
             raise ZdsMessageError("no payload")

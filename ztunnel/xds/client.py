@@ -54,6 +54,7 @@ from ztunnel.config import Config
 from ztunnel.control import ControlPlaneError, auth_metadata, grpc_target, load_root_pem, secure_channel
 from ztunnel.readiness import BlockReady
 from ztunnel.tasks import TaskGroup
+from ztunnel.xds.wire import describe_decode_error
 
 __all__ = [
     "CONNECT_TIMEOUT",
@@ -270,14 +271,23 @@ class DeltaAdsState:
         updates: list[XdsUpdate] = []
         removed = list(response.removed_resources)
         removed_set = set(removed)
+        # A name twice in one response is a server bug; which copy is meant is unknowable, so neither applies (as
+        # Envoy: "duplicate name found among added/updated resources").
+        seen = Counter(res.name for res in response.resources)
+        duplicates = {name for name, n in seen.items() if n > 1}
+        rejected.extend(RejectedConfig(name, "duplicate resource name in one response") for name in sorted(duplicates))
         for res in response.resources:
+            if res.name in duplicates:
+                continue
             if not res.HasField("resource"):
                 rejected.append(RejectedConfig(res.name, "XDS payload without resource"))
                 continue
             try:
                 msg = handler.message_type.FromString(res.resource.value)
             except DecodeError as e:
-                rejected.append(RejectedConfig(res.name, f"decode: {e}"))
+                # upb says only "Wire format was corrupt": find the field and byte offset for the operator.
+                where = describe_decode_error(handler.message_type, res.resource.value)
+                rejected.append(RejectedConfig(res.name, f"decode: {where or e}"))
                 continue
             # A name both updated and removed in one response ends up removed (upstream applies removals last).
             if res.name not in removed_set:
