@@ -69,19 +69,42 @@ class InboundRejected(Exception):
 
 
 def parse_authority(authority: str) -> tuple[IPAddress, int] | tuple[str, int]:
-    """``ip:port`` / ``[v6]:port`` as an address, or ``host:port`` as a hostname; ValueError otherwise."""
+    """``ip:port`` / ``[v6]:port`` as an address, or ``host:port`` as a hostname; ValueError naming the authority
+    otherwise.
+
+    As strict as upstream (Rust's ``SocketAddr``, then ``http::uri::Authority``): ASCII only, a decimal port of at
+    most 5 digits, an IPv6 address only in brackets and without a zone (``::1:80`` is ambiguous, ``fe80::1%eth0``
+    is no pod's address), nothing but an IPv6 address in brackets.
+    """
+    bad = _quote(authority)
     host, sep, port_s = authority.rpartition(":")
-    if not sep or not port_s.isdigit() or not host or int(port_s) > 65535:
-        raise ValueError(f"invalid authority {authority!r}")
+    if not sep or not host:
+        raise ValueError(f"invalid authority {bad}: expected host:port")
+    # isdigit() alone accepts "²" and "٨٠"; the length bound keeps int() from parsing thousands of digits.
+    if not (port_s.isascii() and port_s.isdigit() and len(port_s) <= 5) or int(port_s) > 65535:
+        raise ValueError(f"invalid authority {bad}: port {_quote(port_s)} is not a number from 0 to 65535")
     port = int(port_s)
+    if not host.isascii() or "%" in host:
+        raise ValueError(f"invalid authority {bad}: host {_quote(host)} is not an IP address or a hostname")
     if host.startswith("[") and host.endswith("]"):
-        return ipaddress.ip_address(host[1:-1]), port
+        try:
+            ip6 = ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ValueError(f"invalid authority {bad}: {_quote(host)} is not an IPv6 address") from None
+        return ip6.ipv4_mapped or ip6, port  # [::ffff:a.b.c.d] is the IPv4 address, as every lookup has it
     try:
-        return ipaddress.ip_address(host), port
+        return ipaddress.IPv4Address(host), port
     except ValueError:
-        if ":" in host or not host.replace("-", "").replace(".", "").isalnum():
-            raise ValueError(f"invalid authority {authority!r}") from None
+        if not host.replace("-", "").replace(".", "").isalnum():
+            raise ValueError(
+                f"invalid authority {bad}: host {_quote(host)} is not an IP address or a hostname"
+            ) from None
         return host, port
+
+
+def _quote(text: str) -> str:
+    """``repr`` cut to 100 characters: an authority can be as long as the header block (64 KiB)."""
+    return repr(text) if len(text) <= 100 else f"{text[:100]!r}..."
 
 
 def build_inbound_request(
