@@ -106,6 +106,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._ping_sent_at: float | None = None
         self.max_concurrent_streams: int | None = None
+        self._turn = 0  # rotation point of _in_turn
 
     # -- asyncio protocol --------------------------------------------------------------------------------------
 
@@ -164,8 +165,23 @@ class HboneTransport(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
-        for handler in list(self.handlers.values()):
+        for handler in self._in_turn():
             handler.on_write_paused(False)
+
+    def _in_turn(self) -> list[StreamHandler]:
+        """Every stream, starting one further along each call.
+
+        Whoever is served first when the transport drains or the connection window opens takes what there is (a
+        256 KiB read refills the 1 MiB write buffer in four streams; one window update is a quarter of the 16 MiB
+        window): always starting with the same stream let it take 99.5% of the bytes of 8 concurrent streams
+        (measured). Rotating the start shares them.
+        """
+        handlers = list(self.handlers.values())
+        n = len(handlers)
+        if n < 2:
+            return handlers
+        self._turn = start = (self._turn + 1) % n
+        return handlers[start:] + handlers[:start]
 
     # -- TLS ---------------------------------------------------------------------------------------------------
 
@@ -263,7 +279,7 @@ class HboneTransport(asyncio.BufferedProtocol):
                     if h is not None:
                         h.on_window()
                 else:
-                    for h in list(handlers.values()):
+                    for h in self._in_turn():
                         h.on_window()
             elif type(ev) is ConnectRequested:
                 if self._on_connect_request is not None:
