@@ -30,6 +30,7 @@ from ztunnel.tls import (
     HandshakeFailed,
     IdentityMismatch,
     MissingPeerCertificate,
+    MultipleIdentities,
     TlsConfigError,
     TrustDomainMismatch,
     client_context,
@@ -273,12 +274,26 @@ async def test_multi_root_bundle_trusts_both_roots(ca: LocalCA) -> None:
     out.assert_ok()
 
 
-async def test_peer_with_several_sans_in_other_domains(ca: LocalCA, server_cert: WorkloadCertificate) -> None:
-    # "At least one SAN in our trust domain" and "the peer identity is the first SAN" are different SANs here.
+async def test_peer_with_two_spiffe_sans_is_refused(
+    ca: LocalCA, server_cert: WorkloadCertificate, client_cert: WorkloadCertificate
+) -> None:
+    # Upstream would accept this (one SAN in our trust domain) and use the *other* one as the peer identity: the
+    # ambiguity is why a certificate naming two identities is refused here (tls._single_identity).
     client = build_leaf(ca, uris=["spiffe://other.domain/ns/default/sa/client", str(CLIENT_ID)])
     out = await connect(server_context(server_cert), client_context(client))
+    assert isinstance(out.server_error, MultipleIdentities)
+    assert "2 SPIFFE identities" in str(out.server_error)
+    # The same on the client side: a server certificate naming two identities is refused even if one is expected.
+    server = build_leaf(ca, uris=[str(SERVER_ID), "spiffe://cluster.local/ns/default/sa/other"])
+    out = await connect(server_context(server), client_context(client_cert), expected={SERVER_ID})
+    assert isinstance(out.client_error, MultipleIdentities)
+
+
+async def test_one_spiffe_san_among_other_uris_is_fine(ca: LocalCA, server_cert: WorkloadCertificate) -> None:
+    client = build_leaf(ca, uris=["https://example.com/not-an-identity", str(CLIENT_ID)])
+    out = await connect(server_context(server_cert), client_context(client))
     out.assert_ok()
-    assert out.server_identity == Identity("other.domain", "default", "client")
+    assert out.server_identity == CLIENT_ID
 
 
 # --- context settings ---------------------------------------------------------------------------------------------

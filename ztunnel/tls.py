@@ -98,6 +98,10 @@ class IdentityMismatch(TlsError):
     """The server certificate carries none of the identities the client expected."""
 
 
+class MultipleIdentities(TlsError):
+    """The peer certificate carries more than one SPIFFE identity."""
+
+
 class AlpnMismatch(TlsError):
     """The handshake did not negotiate ALPN ``h2``."""
 
@@ -267,6 +271,18 @@ def _check_alpn(ssl_obj: PeerSsl) -> None:
         )
 
 
+def _single_identity(ids: list[Identity], role: str) -> list[Identity]:
+    """Refuse a certificate naming two identities. Deliberately stricter than upstream (which takes the first):
+    an Istio CA never issues one (the CSR carries one identity), and with two it is ambiguous which one policy
+    and telemetry should see, so a peer could be allowed as B while logged as A."""
+    if len(ids) > 1:
+        raise MultipleIdentities(
+            f"{role} certificate carries {len(ids)} SPIFFE identities ({', '.join(map(str, ids))}); exactly one is "
+            "allowed: check the CA that issued it"
+        )
+    return ids
+
+
 def verify_client_identity(ssl_obj: PeerSsl, local_trust_domain: str) -> Identity:
     """Server side: check ALPN and that the client is in ``local_trust_domain``; return the client identity.
 
@@ -274,7 +290,7 @@ def verify_client_identity(ssl_obj: PeerSsl, local_trust_domain: str) -> Identit
     The returned identity is the first one in the certificate, which is what policy and telemetry use.
     """
     _check_alpn(ssl_obj)
-    ids = peer_identities(ssl_obj)
+    ids = _single_identity(peer_identities(ssl_obj), "client")
     if not any(i.trust_domain == local_trust_domain for i in ids):
         got = ", ".join(map(str, ids)) or "no SPIFFE identity"
         raise TrustDomainMismatch(
@@ -291,7 +307,7 @@ def verify_server_identity(ssl_obj: PeerSsl, expected: Collection[Identity]) -> 
     returned identity is the first one in the certificate, which is what policy and telemetry use.
     """
     _check_alpn(ssl_obj)
-    ids = peer_identities(ssl_obj)
+    ids = _single_identity(peer_identities(ssl_obj), "server")
     if not any(i in expected for i in ids):
         got = ", ".join(map(str, ids)) or "no SPIFFE identity"
         want = ", ".join(sorted(map(str, expected))) or "nothing"

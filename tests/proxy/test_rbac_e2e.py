@@ -52,12 +52,11 @@ async def test_allowed_principal_connects(mesh: tuple[TwoNodeMesh, Any, Any, Ech
 
 async def test_denied_principal_gets_401_and_is_closed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A workload the ALLOW policy does not name: node B answers 401, node A closes the client (SOCKS reply 2)."""
-    m = TwoNodeMesh(
-        tmp_path,
-        edit=lambda text: text.replace(
-            "workloads:\n", "workloads:" + OTHER_CLIENT.format(ip="127.255.255.254") + "\n", 1
-        ),
-    )
+    m = TwoNodeMesh(tmp_path)
+    # Node A now proxies "intruder", whose traffic leaves from node A's address (dedicated mode): that address is
+    # the intruder's, and the allowed client moves away, or node B would refuse the mismatch before any policy.
+    text = m.config.read_text().replace(f'workloadIps: ["{m.node_a}"]', 'workloadIps: ["127.255.255.254"]', 1)
+    m.config.write_text(text.replace("workloads:\n", "workloads:" + OTHER_CLIENT.format(ip=m.node_a) + "\n", 1))
     caplog.set_level(logging.INFO, logger="access")
     echo = await EchoServer().start(*m.server_app)
     async with (

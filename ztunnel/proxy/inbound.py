@@ -9,7 +9,9 @@ upstream's status codes (the client maps anything but 200 to a failed connection
   waypoint;
 * 503: the local workload is unknown; no target port (hostname authority without a port mapping); the target port
   is one of ztunnel's own (``attempted recursive call to ourselves``); the workload refused the connection;
-* 401: authorization policy denied it;
+* 401: the peer's certificate identity is not the identity of the workload its source IP belongs to (a pod
+  presenting another pod's certificate; stricter than upstream, see ``_check_source_identity``); authorization
+  policy denied it;
 * 200 (with ``baggage`` describing the destination, when ``ENABLE_RESPONSE_BAGGAGE``), then the bytes flow.
 
 The upstream connection's source IP is the client's when the listener could be made transparent (IP_TRANSPARENT),
@@ -26,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ztunnel import baggage, tls
+from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.common import (
     BAGGAGE_HEADER,
     FORWARDED_HEADER,
@@ -43,7 +46,7 @@ from ztunnel.proxy.relay import HboneStream
 from ztunnel.rbac import Connection
 from ztunnel.sockets import local_dst, peer_addr
 from ztunnel.state.upstream import ServiceDescription
-from ztunnel.state.workload import IPAddress, NamespacedHostname, NetworkAddress, Workload
+from ztunnel.state.workload import IPAddress, NamespacedHostname, NetworkAddress, NetworkMode, Workload
 
 log = logging.getLogger("ztunnel.proxy.inbound")
 
@@ -262,20 +265,36 @@ class Inbound:
         try:
             identity = tls.verify_client_identity(conn.ssl_object, trust_domain)
         except tls.TlsError as e:
-            self._early_fail(conn, f"TLS handshake: {e}")
+            identity_error = isinstance(e, (tls.TrustDomainMismatch, tls.MultipleIdentities))
+            self._early_fail(
+                conn, f"TLS handshake: {e}", ResponseFlag.IDENTITY_ERROR if identity_error else ResponseFlag.TLS_FAILURE
+            )
             conn.abort(str(e))
             return
         conn.peer_identity = identity
 
-    def _early_fail(self, conn: HboneTransport, error: str) -> None:
-        if conn.peer is not None:
-            src = peer_addr_of(conn)
-            log_failed(Direction.INBOUND, src, local_addr_of(conn), error)
+    def _early_fail(self, conn: HboneTransport, error: str, flag: ResponseFlag | None = None) -> None:
+        """A connection that failed before any stream: the WARN line, and with ``flag`` a failed-connection sample
+        (reporter destination, the local workload as destination) so rejected peers show up in metrics too."""
+        if conn.peer is None:
+            return
+        src, dst = peer_addr_of(conn), local_addr_of(conn)
+        if flag is None:
+            log_failed(Direction.INBOUND, src, dst, error)
+            return
+        record = ConnectionRecord(direction=Direction.INBOUND, src=src, dst=dst, mtls=True)
+        record.src_workload = self.pi.state.workloads.find_address(_naddr(self.pi, src[0]))
+        local = self.pi.local.find()
+        if local is not None:
+            record.dst_workload = local
+            record.dst_identity = local.identity
+        self.pi.connections.register(record)
+        self.pi.connections.release(record, flag, error)
 
     def _closed(self, conn: HboneTransport) -> None:
         self.connections.discard(conn)
         if not conn.handshake_done and conn.close_reason.startswith("TLS") and conn.peer is not None:
-            self._early_fail(conn, conn.close_reason)
+            self._early_fail(conn, conn.close_reason, ResponseFlag.TLS_FAILURE)
 
     def _on_request(self, conn: HboneTransport, ev: ConnectRequested) -> None:
         stream = HboneStream(conn, ev.stream_id)
@@ -312,6 +331,7 @@ class Inbound:
             record.dst = conn_dst
             rbac_conn = Connection(src[0], src[1], req.upstream[0], req.upstream[1], identity, pi.config.network)
             record.rbac = rbac_conn
+            _check_source_identity(record.src_workload, identity, src[0])
             denied = self.authorize(rbac_conn, req.local)
             if denied is not None:
                 raise InboundRejected(401, denied, ResponseFlag.DENY)
@@ -325,7 +345,8 @@ class Inbound:
             conn.detach(ev.stream_id)
             conn.flush()
             pi.connections.register(record)
-            pi.connections.release(record, e.flag, e.args[0] if e.status != 401 else _deny_message(e.args[0]))
+            reason = _deny_message(e.args[0]) if e.flag is ResponseFlag.DENY else e.args[0]
+            pi.connections.release(record, e.flag, reason)
             return
         if stream.done or conn.closed:
             upstream.close()
@@ -341,6 +362,25 @@ class Inbound:
         pi.connections.register(record)
         stream._on_done = lambda s: pi.connections.release(record, ResponseFlag.NONE, s.error)
         stream.attach(upstream)
+
+
+def _check_source_identity(source: Workload | None, identity: Identity | None, ip: IPAddress) -> None:
+    """A peer whose source IP is a known workload must present that workload's identity.
+
+    Stricter than upstream, which trusts the certificate alone: a pod presenting another pod's certificate (a
+    compromised node replaying a certificate it holds) is refused. Only ordinary pod-network workloads are checked:
+    a host-network workload shares its node's IP with everything else on the node. The source IP is the pod's own
+    in in-pod mode (the outbound socket lives in the pod's network namespace, and upstream never rewrites it).
+    """
+    if source is None or identity is None or source.network_mode is not NetworkMode.STANDARD:
+        return
+    if source.identity != identity:
+        raise InboundRejected(
+            401,
+            f"identity mismatch: peer certificate is {identity} but source {ip} is workload "
+            f"{source.namespace}/{source.name} ({source.identity})",
+            ResponseFlag.IDENTITY_ERROR,
+        )
 
 
 def _deny_message(reason: str) -> str:

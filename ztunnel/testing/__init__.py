@@ -194,7 +194,9 @@ async def running_app(env: Mapping[str, str]) -> AsyncIterator[object]:
         await app.wait()
 
 
-async def hbone_dial(addr: tuple[str, int], cert: object, verify_server: object = None) -> object:
+async def hbone_dial(
+    addr: tuple[str, int], cert: object, verify_server: object = None, local_addr: tuple[str, int] | None = None
+) -> object:
     """A raw HBONE client connection (our HTTP/2 core over TLS) to ``addr``, presenting ``cert``.
 
     Returns the connected :class:`~ztunnel.proxy.hbone.connection.HboneTransport`. Raises ``ConnectionError``
@@ -219,7 +221,9 @@ async def hbone_dial(addr: tuple[str, int], cert: object, verify_server: object 
 
     ctx = tls.client_context(cert)
     await loop.create_connection(
-        lambda: HboneTransport(HboneConnection(True), ctx, on_handshake=handshake, on_closed=closed), *addr
+        lambda: HboneTransport(HboneConnection(True), ctx, on_handshake=handshake, on_closed=closed),
+        *addr,
+        local_addr=local_addr,
     )
     conn = await asyncio.wait_for(done, 10)
     # TLS 1.3: the server checks our certificate after our side finished; give its verdict a moment to arrive.

@@ -426,6 +426,9 @@ def _format_peer(peer: tuple[str, int] | None) -> str:
 
 
 def _ssl_reason(e: BaseException) -> str:
+    if isinstance(e, ssl.SSLCertVerificationError) and e.verify_message:
+        # "certificate has expired", "unable to get local issuer certificate": what the operator needs to know.
+        return f"{e.reason}: {e.verify_message}"
     if isinstance(e, ssl.SSLError):
         return e.reason or e.strerror or str(e)
     return str(e)

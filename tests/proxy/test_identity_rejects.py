@@ -1,0 +1,153 @@
+"""Identities that must not get in: each is refused, the reason is logged, and metrics carry the response flag.
+
+Node B (inbound) faces raw HBONE clients holding bad certificates; node A (outbound) faces a node B that presents
+the wrong identity. Real TLS handshakes against real ztunnels; certificates are built to deviate in one way each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import urllib.request
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.identity.certs import build_leaf
+from ztunnel.identity.ca import LocalCA
+from ztunnel.identity.certificate import WorkloadCertificate
+from ztunnel.identity.spiffe import Identity
+from ztunnel.testing import EchoServer, TwoNodeMesh, hbone_dial, hbone_request, node_env, running_app
+
+CLIENT = Identity("cluster.local", "default", "client")
+OTHER = Identity("cluster.local", "default", "someone-else")
+
+
+async def failed(node_ip: str) -> list[dict[str, str]]:
+    """Label sets of istio_tcp_connections_failed_total samples on a node's stats port (the ztunnels run on this
+    event loop: the scrape goes to a thread)."""
+
+    def get() -> str:
+        with urllib.request.urlopen(f"http://{node_ip}:15020/metrics", timeout=5) as resp:
+            return str(resp.read().decode())
+
+    text = await asyncio.to_thread(get)
+    return [
+        dict(s.labels)
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "istio_tcp_connections_failed_total" and s.value > 0
+    ]
+
+
+@pytest.fixture
+async def mesh(tmp_path: Path) -> AsyncIterator[tuple[TwoNodeMesh, LocalCA, EchoServer]]:
+    m = TwoNodeMesh(tmp_path)
+    echo = await EchoServer().start(*m.server_app)
+    async with running_app(m.env_a()), running_app(m.env_b()):
+        yield m, LocalCA.load_or_create(m.ca_dir, "cluster.local"), echo
+    await echo.stop()
+
+
+def expired(ca: LocalCA) -> WorkloadCertificate:
+    return ca.issue(CLIENT, timedelta(hours=1), now=datetime.now(UTC) - timedelta(days=2))
+
+
+def not_yet_valid(ca: LocalCA) -> WorkloadCertificate:
+    return ca.issue(CLIENT, timedelta(hours=1), now=datetime.now(UTC) + timedelta(days=2))
+
+
+def other_trust_domain(ca: LocalCA) -> WorkloadCertificate:
+    return ca.issue(Identity("evil.example", "default", "client"), timedelta(hours=1))
+
+
+def two_sans(ca: LocalCA) -> WorkloadCertificate:
+    return build_leaf(ca, uris=[str(OTHER), str(CLIENT)])
+
+
+def unknown_root(ca: LocalCA) -> WorkloadCertificate:
+    stranger = LocalCA.generate("cluster.local")  # same trust domain, different root: the chain does not verify
+    cert = stranger.issue(CLIENT, timedelta(hours=1))
+    # Trust the mesh's root for the server, so only the *server's* check of our chain can fail.
+    return WorkloadCertificate(
+        cert=cert.cert, intermediates=cert.intermediates, roots=(ca.root_cert,), private_key=cert.private_key
+    )
+
+
+CASES = {
+    "expired": (expired, "TLS_FAILURE", "expired"),
+    "not yet valid": (not_yet_valid, "TLS_FAILURE", "not yet valid"),
+    "unknown root": (unknown_root, "TLS_FAILURE", "unable to get local issuer certificate"),
+    "other trust domain": (other_trust_domain, "IDENTITY_ERROR", "not in trust domain"),
+    "two SPIFFE SANs": (two_sans, "IDENTITY_ERROR", "2 SPIFFE identities"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_bad_client_certificate_is_refused(
+    mesh: tuple[TwoNodeMesh, LocalCA, EchoServer], case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    m, ca, echo = mesh
+    make, flag, reason = CASES[case]
+    caplog.set_level(logging.INFO, logger="access")
+    with pytest.raises(ConnectionError):
+        conn: Any = await hbone_dial((m.node_b, 15008), make(ca))
+        await hbone_request(conn, f"{m.server_app[0]}:{m.server_app[1]}")
+    await asyncio.sleep(0.1)
+    assert echo.connections == 0
+    lines = [
+        str(getattr(r, "fields", {}).get("error", ""))
+        for r in caplog.records
+        if r.getMessage() in ("connection failed", "connection complete")
+    ]
+    assert any(reason.lower() in line.lower() for line in lines), lines
+    samples = await failed(m.node_b)
+    flags = [s["response_flags"] for s in samples if s["reporter"] == "destination"]
+    assert flags == [flag], samples
+
+
+async def test_pod_presenting_another_pods_certificate(
+    mesh: tuple[TwoNodeMesh, LocalCA, EchoServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """From the client workload's own IP, with a valid certificate of another identity: 401, IDENTITY_ERROR."""
+    m, ca, echo = mesh
+    caplog.set_level(logging.INFO, logger="access")
+    conn: Any = await hbone_dial((m.node_b, 15008), ca.issue(OTHER, timedelta(hours=1)), local_addr=(m.node_a, 0))
+    status, _ = await hbone_request(conn, f"{m.server_app[0]}:{m.server_app[1]}")
+    conn.close("test done")
+    assert status == 401
+    assert echo.connections == 0
+    errors = [str(getattr(r, "fields", {}).get("error", "")) for r in caplog.records]
+    assert any("identity mismatch" in e and str(OTHER) in e and "default/client" in e for e in errors), errors
+    flags = [s["response_flags"] for s in await failed(m.node_b) if s["reporter"] == "destination"]
+    assert flags == ["IDENTITY_ERROR"]
+    # The control: the same IP with its own identity gets through.
+    conn = await hbone_dial((m.node_b, 15008), ca.issue(CLIENT, timedelta(hours=1)), local_addr=(m.node_a, 0))
+    status, _ = await hbone_request(conn, f"{m.server_app[0]}:{m.server_app[1]}")
+    conn.close("test done")
+    assert status == 200
+
+
+async def test_server_presenting_the_wrong_identity(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Outbound: node B serves a certificate for an identity node A does not expect: refused, IDENTITY_ERROR."""
+    m = TwoNodeMesh(tmp_path)
+    echo = await EchoServer().start(*m.server_app)
+    caplog.set_level(logging.INFO, logger="access")
+    # Node B believes the server runs as "impostor" and serves that certificate; node A expects "server".
+    impostor = tmp_path / "impostor.yaml"
+    impostor.write_text(m.config.read_text().replace("serviceAccount: server", "serviceAccount: impostor"))
+    env_b = node_env("node-b", m.node_b, "default/server/impostor", m.ca_dir, impostor)
+    async with running_app(m.env_a()), running_app(env_b):
+        with pytest.raises(ConnectionError):
+            await m.socks5()
+        await asyncio.sleep(0.1)
+        flags = [s["response_flags"] for s in await failed(m.node_a) if s["reporter"] == "source"]
+    await echo.stop()
+    errors = [str(getattr(r, "fields", {}).get("error", "")) for r in caplog.records]
+    assert flags == ["IDENTITY_ERROR"], errors
+    assert echo.connections == 0
+    assert any("do not match the expected identities" in e for e in errors), errors
