@@ -103,8 +103,12 @@ class PlainConnection(asyncio.BufferedProtocol):
         peer = self.peer
         if peer is None or self.start == self.end:
             return
+        buf = self.buf
         n = peer.send_from_plain(self, self.start, self.end - self.start)
-        self.start += n
+        if self.buf is buf:
+            self.start += n
+        # else the peer pinned the buffer (its transport kept a view of what it took): pin() started a fresh, empty
+        # one, so everything offered is gone and start == end already.
         if self.start == self.end:
             self.start = self.end = HDR
             self._resume(1)
@@ -149,7 +153,9 @@ class PlainConnection(asyncio.BufferedProtocol):
         self._resume(1)
 
     def pin(self) -> None:
-        """The transport of the other side kept a view into our buffer: continue reading into a fresh one."""
+        """The transport of the other side kept a view into our buffer: continue reading into a fresh one.
+
+        Only for a peer that took everything it was offered (``send_from_plain`` returned the whole length)."""
         self.buf = bytearray(len(self.buf))
         self.view = memoryview(self.buf)
         self.start = self.end = HDR
