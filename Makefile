@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test lint typecheck unit demo demo-control-plane bench protos lock clean
+.PHONY: test lint typecheck unit fuzz demo demo-control-plane bench bench-micro protos lock clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ demo-control-plane: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench $(BENCH_ARGS)
+
+# Micro-benchmarks of the hot functions (pytest-benchmark); not part of `make test`.
+bench-micro: $(STAMP)
+	$(PY) -m pytest bench/micro --benchmark-only -p no:cacheprovider $(PYTEST_ARGS)
 
 protos: $(STAMP)
 	$(PY) -m xds.generate
