@@ -151,17 +151,18 @@ class ConnectionManager:
             self.traffic.close(record.metrics, sent, received, flag)
         for cb in self.on_close:
             cb(record, flag, error)
+        level = logging.INFO if error is None else logging.ERROR
+        if not access.isEnabledFor(level):
+            return  # e.g. RUST_LOG=warn: building the ~20 fields was ~10 µs per connection for nothing
         fields = record.fields()
         # Metrics count client->server as "received" for both reporters (istio/istio#32399); the log does not.
         outbound = record.direction is Direction.OUTBOUND
         fields["bytes_sent"] = received if outbound else sent
         fields["bytes_recv"] = sent if outbound else received
         fields["duration"] = f"{int((time.monotonic() - record.started) * 1000)}ms"
-        if error is None:
-            log_fields(access, logging.INFO, "connection complete", **fields)
-        else:
+        if error is not None:
             fields["error"] = error
-            log_fields(access, logging.ERROR, "connection complete", **fields)
+        log_fields(access, level, "connection complete", **fields)
 
     def close(self, record: ConnectionRecord, flag: ResponseFlag, reason: str) -> None:
         """Close one connection now; its access log line reports ``flag`` and ``reason``."""

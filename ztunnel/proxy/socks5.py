@@ -308,5 +308,6 @@ class Socks5:
                 return
             transport.write(method_reply + (reply(Reply.SUCCEEDED) if error is None else reply(_reply_for(error))))
 
-        log.debug("SOCKS5 %s -> %s", format_addr(*src), format_addr(*dst))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("SOCKS5 %s -> %s", format_addr(*src), format_addr(*dst))
         await self.proxy_to(plain, src, dst, ready)
