@@ -211,20 +211,22 @@ async def test_forget_during_fetch_discards_the_result(tasks: TaskGroup) -> None
 
 
 async def test_expired_certificate_is_not_kept_through_a_failure(tasks: TaskGroup) -> None:
-    # A 1 s certificate (backdated 60 s, so its half-life is past: refreshed at once) seen by a clock 5 s ahead:
-    # when the refresh fails there is no valid certificate to keep, so the identity becomes unavailable.
-    ca = InProcessCaClient(ttl=timedelta(seconds=1))
+    # A certificate valid for another 62 s, then the wall clock jumps 70 s ahead: it has expired, so it is renewed
+    # before use, and when that fails there is no valid certificate to keep: the identity becomes unavailable.
+    ca = InProcessCaClient(ttl=timedelta(seconds=62))
+    ahead = timedelta(0)
 
     def clock() -> datetime:
-        return datetime.now(UTC) + timedelta(seconds=5)
+        return datetime.now(UTC) + ahead
 
     m = SecretManager(ca, tasks=tasks, clock=clock, backoff_initial=30)
     first = await m.fetch_certificate(ID)
     ca.failures = ["CA unreachable"]
-    await wait_until(lambda: _status(m) is CertificateStatus.UNAVAILABLE, 1)
-    assert first.identity == ID and len(ca.calls) == 2
+    ahead = timedelta(seconds=70)
     with pytest.raises(CertificateUnavailable, match="CA unreachable"):
         await m.fetch_certificate(ID)
+    assert first.identity == ID and len(ca.calls) == 2
+    assert _status(m) is CertificateStatus.UNAVAILABLE
 
 
 def _status(m: SecretManager) -> CertificateStatus | None:

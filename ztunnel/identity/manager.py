@@ -311,6 +311,14 @@ class SecretManager:
     expiry if that comes first. Only an identity with no valid certificate reports the error, to every caller,
     until a retry succeeds. :meth:`forget` drops an entry; an in-flight fetch for it is discarded on arrival.
 
+    Time: refreshes are scheduled on the event loop's monotonic clock, so a wall-clock jump never moves them (a
+    jump back causes no refresh storm, as upstream, whose ``time::Converter`` fixes the wall/monotonic offset at
+    start). The wall clock (``clock``) is read where validity matters: a certificate is never handed out once it
+    has expired by the wall clock (after a forward jump, or a suspend the monotonic clock did not count). Upstream
+    would present it until its monotonic refresh time; here the caller waits for an immediate renewal instead, and
+    gets :class:`CertificateUnavailable` if that fails. A certificate that arrives already expired is refused like
+    a failed fetch (upstream would schedule its refresh "now", again and again: a loop against the CA).
+
     New certificates apply to new connections only: a handshake reads the certificate once, so established
     connections keep the one they were made with.
     """
@@ -332,7 +340,7 @@ class SecretManager:
         self.concurrency = concurrency
         self._own_tasks = tasks is None
         self._tasks = tasks if tasks is not None else TaskGroup("secret-manager")
-        self._clock = clock
+        self.clock = clock  # the wall clock (aware UTC datetimes); replaceable, for tests
         self._rng = rng if rng is not None else random.Random()
         self._backoff_initial = backoff_initial
         self._backoff_max = backoff_max
@@ -382,7 +390,9 @@ class SecretManager:
             st = entry.state
             if st.status is CertificateStatus.AVAILABLE:
                 assert st.certificate is not None
-                return st.certificate
+                if self.clock() < st.certificate.not_after:
+                    return st.certificate
+                self._renew_expired(identity, st.certificate, priority)
             if st.status is CertificateStatus.UNAVAILABLE:
                 raise CertificateUnavailable(f"no certificate for {identity}: {st.error}")
             fut: asyncio.Future[None] = loop.create_future()
@@ -426,6 +436,21 @@ class SecretManager:
             entry.priority = priority
             self._request(identity, priority)
         return entry
+
+    def _renew_expired(self, identity: Identity, cert: WorkloadCertificate, priority: Priority) -> None:
+        """``cert`` is still cached but expired by the wall clock: fetch a new one now (once; callers then wait)."""
+        if identity in self._processing:
+            return
+        queued = self._pending.get(identity)
+        if queued is not None and queued[0] >= priority and queued[1] <= asyncio.get_running_loop().time():
+            return
+        log.info(
+            "certificate for %s expired at %s (the wall clock says %s); renewing it before use",
+            identity,
+            cert.not_after.isoformat(),
+            self.clock().isoformat(),
+        )
+        self._request(identity, priority)
 
     def _request(self, identity: Identity, priority: Priority) -> None:
         if self._worker is None or self._worker.done():
@@ -476,7 +501,13 @@ class SecretManager:
         cert: WorkloadCertificate | None = None
         error: str | None = None
         try:
-            cert = await self.client.fetch_certificate(identity)
+            issued = await self.client.fetch_certificate(identity)
+            if self.clock() >= issued.not_after:
+                raise CertificateUnavailable(
+                    f"the CA issued a certificate that has already expired (valid {issued.not_before.isoformat()} "
+                    f"to {issued.not_after.isoformat()}); check the clocks of this node and of the CA"
+                )
+            cert = issued
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -493,7 +524,7 @@ class SecretManager:
         if entry is None:
             return
         now = asyncio.get_running_loop().time()
-        wall = self._clock()
+        wall = self.clock()
         if cert is not None:
             self._backoffs.pop(identity, None)
             entry.update(CertificateState.available(cert))

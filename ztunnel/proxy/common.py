@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import os
 import random
 import ssl
 from collections.abc import Awaitable, Callable
@@ -63,6 +64,12 @@ class ProxyError(Exception):
     def __init__(self, message: str, flag: ResponseFlag = ResponseFlag.CONNECT) -> None:
         super().__init__(message)
         self.flag = flag
+
+
+def os_error_reason(e: OSError) -> str:
+    """The reason of a failed socket call as the operator knows it (``Connection refused``), not the event loop's
+    wording (``Connect call failed ('10.0.0.1', 15008)``, which hides the errno)."""
+    return os.strerror(e.errno) if e.errno else (e.strerror or str(e))
 
 
 def format_addr(ip: IPAddress, port: int) -> str:

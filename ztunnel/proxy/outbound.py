@@ -40,6 +40,7 @@ from ztunnel.proxy.common import (
     format_addr,
     forwarded_header,
     new_traceparent,
+    os_error_reason,
 )
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
 from ztunnel.proxy.metrics import DerivedWorkload
@@ -383,7 +384,7 @@ async def connect_plain(
         raise ProxyError(f"connection to {format_addr(*dst)} timed out") from None
     except OSError as e:
         sock.close()
-        raise ProxyError(f"failed to connect to {format_addr(*dst)}: {e.strerror or e}") from None
+        raise ProxyError(f"failed to connect to {format_addr(*dst)}: {os_error_reason(e)}") from None
     except asyncio.CancelledError:
         sock.close()  # the stream this was for went away first
         raise

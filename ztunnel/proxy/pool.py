@@ -22,7 +22,14 @@ from ztunnel import tls
 from ztunnel.config import Config
 from ztunnel.identity.manager import CertificateProvider
 from ztunnel.identity.spiffe import Identity
-from ztunnel.proxy.common import CONNECTION_TIMEOUT, ProxyError, ResponseFlag, TlsContextCache, format_addr
+from ztunnel.proxy.common import (
+    CONNECTION_TIMEOUT,
+    ProxyError,
+    ResponseFlag,
+    TlsContextCache,
+    format_addr,
+    os_error_reason,
+)
 from ztunnel.proxy.hbone.connection import HboneTransport
 from ztunnel.proxy.hbone.core import HboneConnection, Settings
 from ztunnel.proxy.relay import HboneStream
@@ -143,7 +150,12 @@ class WorkloadHBONEPool:
 
     async def _dial(self, key: WorkloadKey) -> HboneTransport:
         loop = asyncio.get_running_loop()
-        cert = await self._certs.fetch_certificate(key.src_id)
+        try:
+            cert = await self._certs.fetch_certificate(key.src_id)
+        except Exception as e:
+            # No certificate (CA down, renewal failed, expired): fail this connection with the reason, as upstream.
+            reason = str(e) if str(e).startswith("no certificate") else f"no certificate for {key.src_id}: {e}"
+            raise ProxyError(reason) from None
         ctx = self._contexts.client(key.src_id, cert)
         ip, port = key.dst
         sock = self._sockets.tcp(family_of(ip))
@@ -158,7 +170,7 @@ class WorkloadHBONEPool:
             ) from None
         except OSError as e:
             sock.close()
-            raise ProxyError(f"failed to connect to {format_addr(ip, port)}: {e.strerror or e}") from None
+            raise ProxyError(f"failed to connect to {format_addr(ip, port)}: {os_error_reason(e)}") from None
         done: asyncio.Future[HboneTransport] = loop.create_future()
 
         def on_handshake(t: HboneTransport) -> None:

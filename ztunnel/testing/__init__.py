@@ -144,11 +144,14 @@ class ZtunnelProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
-    def start(self, timeout: float = 20.0) -> ZtunnelProcess:
+    def start(self, timeout: float = 20.0, wait_ready: bool = True) -> ZtunnelProcess:
+        """Start the process and wait (up to ``timeout``) until it is ready, or only start it (``wait_ready``)."""
         if self.log_path is not None:
             self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         out = self._log if self._log is not None else subprocess.DEVNULL
         self.proc = subprocess.Popen([sys.executable, "-m", "ztunnel", "proxy"], env=self.env, stdout=out, stderr=out)
+        if not wait_ready:
+            return self
         host, _, port = self.env.get("ZTUNNEL_READINESS_ADDR", "127.0.0.1:15021").rpartition(":")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

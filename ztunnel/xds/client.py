@@ -29,7 +29,10 @@ Reconnect (upstream ``run_loop``): backoff starts at 10 ms. A failure before the
 server is unreachable, TLS or auth failed) doubles it (max 15 s) and is counted as ``ConnectionError``. A stream
 that broke with ``UNKNOWN``, ``CANCELLED``, ``DEADLINE_EXCEEDED``, or ``UNAVAILABLE`` because the transport closed
 or the server sent GOAWAY (a restart or ``MaxConnectionAge``) reconnects after 10 ms (``Reconnect``). Other gRPC
-errors double the backoff (``Error``). A stream that ended cleanly reconnects at once (``Complete``).
+errors double the backoff (``Error``), and so does a response that does not decode as a
+``DeltaDiscoveryResponse`` (upstream's tonic fails the stream with ``Internal``). A stream that ended cleanly
+reconnects at once (``Complete``), unless it ended before any response: upstream reconnects at once then too, which
+against a server that always does that is a busy loop, so here it counts as a connection failure.
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ from google.rpc import status_pb2
 
 from xds.envoy.config.core.v3 import base_pb2
 from xds.envoy.service.discovery.v3 import discovery_pb2 as pb
-from xds.envoy.service.discovery.v3 import discovery_pb2_grpc as pb_grpc
 from ztunnel.config import Config
 from ztunnel.control import ControlPlaneError, auth_metadata, grpc_target, load_root_pem, secure_channel
 from ztunnel.readiness import BlockReady
@@ -354,6 +356,15 @@ class _ConnectFailed(Exception):
     """The stream never delivered a response: unreachable server, TLS or authentication failure."""
 
 
+class _BadResponse(Exception):
+    """The server sent bytes that are not a ``DeltaDiscoveryResponse``."""
+
+
+# The ADS method, called with raw bytes out (rather than the generated stub's deserializer): grpc.aio logs a
+# traceback and hands back ``None`` for a message its deserializer refuses, so decoding is done here instead.
+_ADS_METHOD = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources"
+
+
 # Substrings of UNAVAILABLE messages that mean "the transport went away under a healthy stream": upstream's
 # (from hyper/h2) and gRPC core's wording of the same events.
 # "Cancelling all calls" is the GOAWAY debug text of a gRPC-core server shutting down.
@@ -460,6 +471,13 @@ class AdsClient:
             log.warning("XDS client connection error: %s, retrying in %s", e, _fmt(backoff))
             await asyncio.sleep(backoff)
             return backoff
+        except _BadResponse as e:
+            # Upstream: tonic fails the stream with Internal ("failed to decode Protobuf message"), an Error.
+            backoff = min(MAX_BACKOFF, backoff * 2)
+            self._terminated(ConnectionTerminationReason.ERROR, str(e))
+            log.warning("XDS client error: %s, retrying in %s", e, _fmt(backoff))
+            await asyncio.sleep(backoff)
+            return backoff
         except grpc.aio.AioRpcError as e:
             if _is_reconnect(e):
                 self._terminated(ConnectionTerminationReason.RECONNECT, _describe(e))
@@ -501,15 +519,26 @@ class AdsClient:
         stream_tasks = TaskGroup("xds-stream")
         call: Any = None
         try:
-            stub = pb_grpc.AggregatedDiscoveryServiceStub(channel)  # type: ignore[no-untyped-call]
-            call = stub.DeltaAggregatedResources(metadata=metadata)
+            ads = channel.stream_stream(_ADS_METHOD, request_serializer=pb.DeltaDiscoveryRequest.SerializeToString)
+            call = ads(metadata=metadata)
             self._outgoing = outgoing
             stream_tasks.spawn(self._write_requests(call, outgoing), "xds requests")
             await self._wait_connected(channel)
             while True:
-                response = await call.read()
-                if response is grpc.aio.EOF:
+                raw = await call.read()
+                if raw is grpc.aio.EOF:
+                    if not established:
+                        # Upstream reconnects at once after a stream that ended cleanly; one that never said anything
+                        # would make that a busy loop against the server, so it is retried with backoff instead.
+                        raise _ConnectFailed(f"{self.address} ended the stream without sending a response")
                     return
+                try:
+                    response = pb.DeltaDiscoveryResponse.FromString(raw)
+                except DecodeError as e:
+                    where = describe_decode_error(pb.DeltaDiscoveryResponse, raw)
+                    raise _BadResponse(
+                        f"the server sent {len(raw)} bytes that are not a DeltaDiscoveryResponse ({where or e})"
+                    ) from None
                 if not established:
                     established = True
                     log.info("Stream established")
