@@ -18,6 +18,7 @@ namespace under ``make test`` as root, and on random loopback addresses otherwis
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -25,16 +26,22 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
+from cryptography import x509
 
-from ztunnel.testing import EchoServer, TwoNodeMesh, ZtunnelProcess
+from ztunnel.identity.manager import SecretManager
+from ztunnel.identity.spiffe import Identity
+from ztunnel.testing import EchoServer, TwoNodeMesh, ZtunnelProcess, running_app
 
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:Exception ignored in. <_io.FileIO name='[^']*\.log':pytest.PytestUnraisableExceptionWarning"
 )
 
+CLIENT = Identity("cluster.local", "default", "client")
 # /proc/net/tcp states (include/net/tcp_states.h).
 ESTABLISHED, CLOSE_WAIT = "01", "08"
 CHUNK = 64 * 1024
@@ -313,4 +320,93 @@ async def test_backend_killed_mid_stream(mesh: TwoNodeMesh, tmp_path: Path) -> N
         for t in bystanders:
             t.cancel()
         await asyncio.gather(*bystanders, return_exceptions=True)
+        await echo.stop()
+
+
+# -- the wall clock jumps past a certificate's expiry ------------------------------------------------------------
+
+
+class FailingCa:
+    async def fetch_certificate(self, identity: object) -> Any:
+        raise RuntimeError("CA unreachable")
+
+
+def access_errors(caplog: pytest.LogCaptureFixture, needle: str) -> list[str]:
+    """The ``error`` field of the access-log records (``connection complete`` / ``connection failed``) so far."""
+    errors = [getattr(r, "fields", {}).get("error") for r in caplog.records if r.name == "access"]
+    return [e for e in errors if isinstance(e, str) and needle in e]
+
+
+def peer_serials(app: Any) -> set[int]:
+    """Serial numbers of the client certificates presented on the HBONE connections open at ``app``'s inbound."""
+    serials = set()
+    for conn in app.proxy.inbound.connections:
+        if conn.ssl_object is not None and (der := conn.ssl_object.getpeercert(binary_form=True)):
+            serials.add(x509.load_der_x509_certificate(der).serial_number)
+    return serials
+
+
+async def test_clock_jump_past_certificate_expiry(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """In process, so each node's SecretManager clock can be moved: certificates of 10 minutes, then the wall clock
+    jumps 11 minutes. The next connection renews before presenting anything; when renewal fails, the handshake fails
+    with the reason in the log instead of presenting the expired certificate."""
+    caplog.set_level(logging.INFO)
+    m = TwoNodeMesh(tmp_path)
+    # One stream per HBONE connection, idle ones closed after 100 ms: every tunnel below is a new TLS handshake.
+    short = {"SECRET_TTL": "10m", "POOL_MAX_STREAMS_PER_CONNECTION": "1", "POOL_UNUSED_RELEASE_TIMEOUT": "100ms"}
+    echo = await EchoServer().start(*m.server_app)
+    writers: list[asyncio.StreamWriter] = []
+    try:
+        async with running_app(m.env_a(**short)) as a, running_app(m.env_b(**short)) as b:
+            certs_a: SecretManager = a.certs  # type: ignore[attr-defined]
+            certs_b: SecretManager = b.certs  # type: ignore[attr-defined]
+            held_reader, held_writer = await m.socks5()
+            writers.append(held_writer)
+            await echo_round(held_reader, held_writer, b"before")
+            (old_serial,) = peer_serials(b)
+
+            # Eleven minutes later by the wall clock, for node A (its monotonic refresh, 5 minutes away, has not
+            # fired). The CA now signs for 24 hours, so the renewed certificate is valid at either time.
+            jump = timedelta(minutes=11)
+            certs_a.clock = lambda: datetime.now(UTC) + jump
+            certs_a.client.ttl = timedelta(hours=24)  # type: ignore[attr-defined]
+            reader, writer = await m.socks5()
+            writers.append(writer)
+            await echo_round(reader, writer, b"after the jump")
+            new_serials = peer_serials(b) - {old_serial}
+            assert len(new_serials) == 1, "the new connection should present a renewed certificate"
+            assert "expired at" in caplog.text and "renewing it before use" in caplog.text
+            writer.close()
+            # The tunnel established before the jump carries on with the certificate it was made with.
+            await echo_round(held_reader, held_writer, b"still here")
+            pool = a.proxy.pi.pool  # type: ignore[attr-defined]
+            await until(lambda: len(pool) == 1, 5, "A closing the idle HBONE connection")
+
+            # A day later for node A, and its CA is unreachable: nothing valid to present. The connection fails
+            # at once with the reason; SOCKS5 says "connection refused".
+            ca_a = certs_a.client
+            certs_a.clock = lambda: datetime.now(UTC) + timedelta(days=2)
+            certs_a.client = FailingCa()
+            with pytest.raises(ConnectionError, match="SOCKS5 reply 5"):
+                await asyncio.wait_for(m.socks5(), 5)
+            await until(lambda: access_errors(caplog, "no certificate"), 5, "A's access line for the refused dial")
+            (error,) = access_errors(caplog, "no certificate")
+            assert error == f"no certificate for {CLIENT}: CA unreachable", error
+
+            # The same for node B, on the serving side: A's handshake fails, B logs why.
+            certs_a.clock = lambda: datetime.now(UTC)
+            certs_a.client = ca_a
+            certs_a.forget(CLIENT)  # start afresh, rather than wait for the retry backoff
+            certs_b.clock = lambda: datetime.now(UTC) + timedelta(days=2)
+            certs_b.client = FailingCa()
+            with pytest.raises(ConnectionError, match="SOCKS5 reply"):
+                await asyncio.wait_for(m.socks5(), 5)
+            await until(lambda: access_errors(caplog, "local workload"), 5, "B's line for the refused handshake")
+            (error,) = access_errors(caplog, "local workload")
+            assert error.startswith("no certificate for the local workload: ") and "CA unreachable" in error, error
+            for w in writers:
+                w.close()  # before the nodes drain, which would wait for open tunnels
+    finally:
+        for w in writers:
+            w.close()
         await echo.stop()
