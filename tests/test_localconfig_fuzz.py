@@ -12,6 +12,7 @@ or an unknown key added (the error must name that field or an ancestor of it); a
 from __future__ import annotations
 
 import ipaddress
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -302,7 +303,7 @@ def test_any_text_is_a_config_or_a_clear_error(text: str) -> None:
     load(text)
 
 
-@fuzz_settings(300)
+@fuzz_settings(200)
 @given(documents)
 def test_generated_documents_load(doc: dict[str, Any]) -> None:
     result = load(yaml.safe_dump(doc))
@@ -310,7 +311,7 @@ def test_generated_documents_load(doc: dict[str, Any]) -> None:
     assert len(result.workloads) == len(doc.get("workloads", []))
 
 
-@fuzz_settings(700)
+@fuzz_settings(500)
 @given(broken_documents())
 def test_one_wrong_field_is_named(case: tuple[dict[str, Any], str]) -> None:
     doc, path = case
@@ -319,6 +320,11 @@ def test_one_wrong_field_is_named(case: tuple[dict[str, Any], str]) -> None:
         # The error is at the changed field, inside it (a wrong value that is a container), or at an ancestor
         # (a required field removed, a duplicate key made, a wrong type one level up).
         where = result.path
+        if result.problem.startswith("duplicate "):
+            # The change made two items collide; the later one is named, with the earlier one.
+            item = re.match(r"\w+\[\d+\]", path)
+            assert item is not None and item.group() in str(result), (path, str(result))
+            return
         assert where and (path.startswith(where) or where.startswith(path)), (where, path, str(result))
 
 
