@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import logging
+import os
+import resource
 import socket
 import struct
+import time
 from dataclasses import dataclass
 
 from ztunnel.config import Config, SocketAddress
@@ -30,6 +34,8 @@ IP_BIND_ADDRESS_NO_PORT = 24  # same value for IPv6 sockets (it is an IP-level o
 SO_MARK = 36
 TCP_USER_TIMEOUT = 18
 LISTEN_BACKLOG = 128  # as upstream's in-pod listeners; the kernel caps it at somaxconn anyway
+
+log = logging.getLogger("ztunnel.sockets")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +105,61 @@ def peer_addr(sock: socket.socket) -> tuple[IPAddress, int]:
 
 
 def set_accepted_options(sock: socket.socket, cfg: SocketConfig, keepalive: bool) -> None:
-    """Every accepted socket gets TCP_NODELAY; 15001/15006 also get keepalive (``socket.rs::Listener::accept``)."""
+    """Every accepted socket gets TCP_NODELAY; 15001/15006 also get keepalive (``socket.rs::Listener::accept``).
+
+    Also where running out of file descriptors is noticed (:class:`FdHeadroom`).
+    """
+    fd_headroom.check(sock.fileno())
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if keepalive:
         set_keepalive(sock, cfg)
+
+
+class FdHeadroom:
+    """Says once when accepted sockets are about to exhaust ``RLIMIT_NOFILE``, and once when there is room again.
+
+    When no descriptor is left, ``accept`` fails with EMFILE and uvloop (libuv) copes on its own, silently: it closes
+    a descriptor it keeps in reserve, accepts every waiting connection and closes it at once (the clients see their
+    connection closed), then takes the reserve back. No error reaches ztunnel and the loop does not spin, so without
+    this the only sign would be clients failing. The kernel hands out the lowest free descriptor, so an accepted
+    socket numbered within :data:`HEADROOM` of the limit means all the ones below are taken: a check per accept that
+    costs one ``getrlimit`` (the limit can change at run time: ``prlimit``). Recovery is confirmed by counting the
+    open descriptors, at most once a second.
+    """
+
+    HEADROOM = 32  # descriptors; an eighth of the limit when that is less (a test's tiny limit)
+
+    def __init__(self) -> None:
+        self.exhausted = False
+        self._checked = 0.0
+
+    def check(self, fd: int) -> None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            return
+        headroom = min(self.HEADROOM, soft // 8)
+        if fd >= soft - headroom:
+            if not self.exhausted:
+                self.exhausted = True
+                log.warning(
+                    "running out of file descriptors: accepted a connection as fd %d, RLIMIT_NOFILE is %d; when none "
+                    "are left new connections are closed as soon as they are accepted, until others close "
+                    "(raise the limit: LimitNOFILE, ulimit -n)",
+                    fd,
+                    soft,
+                )
+        elif self.exhausted and time.monotonic() - self._checked >= 1.0:
+            self._checked = time.monotonic()
+            try:
+                in_use = len(os.listdir("/proc/self/fd"))
+            except OSError:  # no descriptor left even to look
+                return
+            if in_use < soft - 2 * headroom:
+                self.exhausted = False
+                log.info("file descriptors available again: %d of %d in use", in_use, soft)
+
+
+fd_headroom = FdHeadroom()  # the limit is per process
 
 
 def set_keepalive(sock: socket.socket, cfg: SocketConfig) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,7 +43,7 @@ from ztunnel.proxy.metrics import DerivedWorkload
 from ztunnel.proxy.outbound import connect_plain
 from ztunnel.proxy.relay import HboneStream
 from ztunnel.rbac import Connection
-from ztunnel.sockets import local_dst, peer_addr
+from ztunnel.sockets import local_dst, peer_addr, set_accepted_options
 from ztunnel.state.upstream import ServiceDescription
 from ztunnel.state.workload import IPAddress, NamespacedHostname, NetworkAddress, NetworkMode, Workload
 
@@ -255,7 +254,7 @@ class Inbound:
             await asyncio.sleep(0)
         sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
         if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_accepted_options(sock, self.pi.sockets.cfg, keepalive=False)
         conn.start_tls(self.pi.contexts.server(local.identity, cert))
 
     def _verified(self, conn: HboneTransport) -> None:

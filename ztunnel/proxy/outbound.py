@@ -362,7 +362,10 @@ async def connect_plain(
 ) -> PlainConnection:
     """A plaintext TCP connection to ``dst`` (10 s timeout), optionally from a spoofed source IP."""
     loop = asyncio.get_running_loop()
-    sock = pi.sockets.tcp(family_of(dst[0]), bind_source=bind_src is None)
+    try:
+        sock = pi.sockets.tcp(family_of(dst[0]), bind_source=bind_src is None)
+    except OSError as e:  # EMFILE above all: a clear failure for this connection, not a crashed task
+        raise ProxyError(f"failed to connect to {format_addr(*dst)}: {e.strerror or e}") from None
     try:
         if bind_src is not None:
             if transparent and set_transparent(sock):

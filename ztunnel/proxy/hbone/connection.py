@@ -45,6 +45,11 @@ log = logging.getLogger("ztunnel.proxy.h2")
 
 PING_INTERVAL = 10.0
 PING_TIMEOUT = 20.0
+# A TLS handshake (from TCP accept or connect until it completes, both roles) not finished by then is aborted: a
+# peer that connects and sends nothing, or half a ClientHello, or a server that never answers ours, must not hold a
+# socket and 60-85 KiB of TLS and HTTP/2 state. Upstream sets none on 15008 (only TCP keepalive, 180 s + 9 x 180 s,
+# would ever end such a connection); 10 s is the default of the tls-listener crate upstream uses elsewhere.
+# Read when each connection starts, so tests can shorten it.
 HANDSHAKE_TIMEOUT = 10.0
 # A closing connection whose peer does not read what is left to send (a GOAWAY, the last DATA) is dropped after
 # this long rather than holding its socket and buffers forever.
@@ -78,14 +83,14 @@ class HboneTransport(asyncio.BufferedProtocol):
         on_handshake: Callable[[HboneTransport], None],
         on_connect_request: Callable[[HboneTransport, ConnectRequested], None] | None = None,
         on_closed: Callable[[HboneTransport], None] | None = None,
-        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        handshake_timeout: float | None = None,
     ) -> None:
         self.core = core
         self._ssl_context = ssl_context
         self._on_handshake = on_handshake
         self._on_connect_request = on_connect_request
         self._on_closed = on_closed
-        self._handshake_timeout = handshake_timeout
+        self._handshake_timeout = HANDSHAKE_TIMEOUT if handshake_timeout is None else handshake_timeout
         self.handlers: dict[int, StreamHandler] = {}
         self.transport: asyncio.Transport | None = None
         self.peer: tuple[str, int] | None = None
@@ -100,7 +105,8 @@ class HboneTransport(asyncio.BufferedProtocol):
         self.last_active = time.monotonic()
         self._in_bio = ssl.MemoryBIO()
         self._out_bio = ssl.MemoryBIO()
-        self._cbuf = bytearray(_CIPHER_BUFFER_MIN)
+        # Allocated at the first read: a connection whose peer never sends anything costs no buffer.
+        self._cbuf = bytearray()
         self._cview = memoryview(self._cbuf)
         self._dispatching = False
         self._timer: asyncio.TimerHandle | None = None
@@ -135,6 +141,9 @@ class HboneTransport(asyncio.BufferedProtocol):
         self._do_handshake()
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if not self._cbuf:
+            self._cbuf = bytearray(_CIPHER_BUFFER_MIN)
+            self._cview = memoryview(self._cbuf)
         return self._cview
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -254,7 +263,10 @@ class HboneTransport(asyncio.BufferedProtocol):
         finally:
             self._dispatching = False
         if not self.closed:
-            self.last_active = time.monotonic()
+            if self.handlers:
+                # Use, for the pool's idle eviction, is traffic of streams: the PINGs both sides send every 10 s on
+                # an idle connection must not keep it in the pool forever (POOL_UNUSED_RELEASE_TIMEOUT is 5 min).
+                self.last_active = time.monotonic()
             self.flush()
 
     def _flush_tls(self) -> None:
@@ -337,6 +349,8 @@ class HboneTransport(asyncio.BufferedProtocol):
 
     def detach(self, stream_id: int) -> None:
         self.handlers.pop(stream_id, None)
+        if not self.handlers:
+            self.last_active = time.monotonic()  # idle from now
         if not self.handlers and (self.draining or self.core.goaway_received is not None):
             self.close("drained" if self.draining else "peer sent GOAWAY and the last stream finished")
 

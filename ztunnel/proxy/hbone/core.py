@@ -46,6 +46,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import h2.utilities
 import hpack.hpack
 import hyperframe.frame
 
@@ -69,6 +70,11 @@ FLAG_PADDED = 0x8
 # How many recently reset stream ids are remembered, so DATA the peer had in flight when we reset them is not
 # mistaken for abuse (one stream window, 4 MiB, can be hundreds of frames).
 _RECENT_RESETS = 256
+# How many closed streams h2 remembers the ending of (reset or END_STREAM), to answer a late frame on one with
+# RST_STREAM instead of a connection error. h2's own bound is 65,536: ~11 MiB of OrderedDict on every pooled
+# connection that has carried that many streams, for the connection's life (the soak found it). A late frame comes
+# within a round trip, long before another 1,024 streams close; Rust's h2 (upstream) keeps 50 reset streams for 1 s.
+_CLOSED_STREAMS_REMEMBERED = 1024
 _PREFACE_SIZE = 24
 # Receive buffers start small and grow with traffic: an idle connection should cost little memory, a busy one
 # should read a socket's worth (256 KiB) per call.
@@ -314,6 +320,7 @@ class HboneConnection:
             normalize_outbound_headers=False,
         )
         self.h2 = h2.connection.H2Connection(config=config)
+        self.h2._closed_streams = h2.utilities.SizeLimitDict(size_limit=_CLOSED_STREAMS_REMEMBERED)
         # Header values are sent as plain literals, not Huffman-coded: hpack's pure-Python Huffman decoder was the
         # biggest single cost of a CONNECT on the receiving side (~15% of its CPU per new connection), while the
         # bytes saved (~20% of a ~100-byte header block, once per stream) are irrelevant. Any HPACK decoder (Rust
