@@ -13,7 +13,9 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
 from xds.istio.workload import workload_pb2 as wl
@@ -25,7 +27,7 @@ from ztunnel.state import ProxyState
 from ztunnel.state.workload import NamespacedHostname, NetworkAddress
 from ztunnel.tasks import TaskGroup
 from ztunnel.testing.control_plane import control_plane, wait_until, ztunnel_env
-from ztunnel.xds.client import AdsClient, ConnectionTerminationReason
+from ztunnel.xds.client import AdsClient, ConnectionTerminationReason, _FirstStatus
 from ztunnel.xds.types import ADDRESS_TYPE
 from ztunnel.xds.updater import AddressHandler, AuthorizationHandler
 
@@ -246,6 +248,44 @@ async def test_auth_headers_and_token_reread_per_call(tmp_path: Path) -> None:
         assert md[-1]["authorization"] == "Bearer new"
         assert md[-1]["clusterid"] == "c9"
         assert md[-1]["x_extra"] == "hello"
+
+
+async def test_refusal_status_survives_a_write_in_flight() -> None:
+    """A server refusing the stream at its headers races the client's first requests; grpc aio then reports
+    INTERNAL "Internal error from Core" for most calls (189/200 measured). The refusal must still be what is logged."""
+
+    async def refuse(request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authentication failure: unknown token")
+
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(refuse)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.Refuse", {"Stream": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    raced = 0
+    try:
+        for _ in range(40):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = channel.stream_stream("/t.Refuse/Stream")()
+                first = _FirstStatus(call)
+
+                async def write(call: Any = call) -> None:
+                    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                        for _ in range(20):
+                            await call.write(b"x" * 1000)
+
+                writer = TaskGroup("test").spawn(write(), "writer")
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await call.read()
+                await writer
+                raced += raised.value.code() == grpc.StatusCode.INTERNAL
+                assert first.explain(raised.value) == (
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "authentication failure: unknown token",
+                )
+    finally:
+        await server.stop(None)
+    assert raced > 0, "the race did not happen: this test no longer covers what it is for"
 
 
 @pytest.mark.parametrize(
