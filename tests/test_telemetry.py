@@ -27,6 +27,15 @@ def test_parse_filter() -> None:
         parse_log_filter("=debug")
 
 
+def test_plain_format_escapes_line_breaks_from_peers(stream: io.StringIO) -> None:
+    setup_logging("info", json_format=False, stream=stream)
+    logging.getLogger("ztunnel.proxy.h2").warning("bad header from %s: %r", "10.0.0.1:5", "a\r\nforged\tinfo\tline")
+    logging.getLogger("ztunnel.proxy.h2").warning("raw: %s", "a\nforged")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2, lines
+    assert lines[1].endswith("\traw: a\\nforged")
+
+
 def test_plain_format(stream: io.StringIO) -> None:
     setup_logging("info", json_format=False, stream=stream)
     log(

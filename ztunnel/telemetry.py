@@ -84,12 +84,20 @@ def _plain_value(value: Any) -> str:
     return str(value)
 
 
+# Messages quote what peers sent (h2's ProtocolError text holds the illegal header byte, authorities, SNI ...); a
+# raw CR/LF there would let a peer forge a log line, so the plain format escapes them as Rust's Debug would.
+_LINE_BREAKS = str.maketrans({"\n": "\\n", "\r": "\\r"})
+
+
 class PlainFormatter(logging.Formatter):
     """``time\\tlevel\\tscope\\tmessage\\tk=v ...``."""
 
     def format(self, record: logging.LogRecord) -> str:
         line = f"{_timestamp(record.created)}\t{_NAMES.get(record.levelno, record.levelname.lower())}\t"
-        line += f"{_scope(record.name)}\t{record.getMessage()}"
+        message = record.getMessage()
+        if "\n" in message or "\r" in message:
+            message = message.translate(_LINE_BREAKS)
+        line += f"{_scope(record.name)}\t{message}"
         fields: Mapping[str, Any] | None = getattr(record, "fields", None)
         if fields:
             line += "\t" + " ".join(f"{k}={_plain_value(v)}" for k, v in fields.items())

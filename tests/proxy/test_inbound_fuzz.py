@@ -368,11 +368,7 @@ def test_live_inbound_answers_fuzzed_connects(live: tuple[AppThread, Any], caplo
         json.loads(JsonFormatter().format(r))
 
 
-@pytest.mark.xfail(
-    reason="found by fuzzing: h2's ProtocolError text quotes the raw illegal character, and ztunnel/proxy/hbone/"
-    "connection.py logs it as the message, so a peer's newline splits the plain log line (hbone owners to fix)",
-    strict=True,
-)
+# Found by fuzzing: h2's ProtocolError text quotes the raw illegal character, so a peer's newline split the line.
 def test_h2_protocol_error_warning_is_one_line(live: tuple[AppThread, Any], caplog: pytest.LogCaptureFixture) -> None:
     node, cert = live
     with caplog.at_level(logging.WARNING, logger="ztunnel.proxy.h2"):
