@@ -59,6 +59,8 @@ METRICS: dict[str, tuple[Metric, ...]] = {
         Metric("remove_s", "removal push -> ACK, s", "lower", ".3f", chart=False),
         Metric("inproc_total_s", "in-process decode+convert+apply, s", "lower", ".3f", chart=False),
         Metric("us_per_check", "µs per inbound check", "lower", ".1f"),
+        Metric("plan_ms", "ms to compile the plan, cold", "lower", ".1f", chart=False),
+        Metric("replan_ms", "ms to regroup the plan after a policy change", "lower", ".1f", chart=False),
     ),
 }
 SCENARIO_TITLES = {

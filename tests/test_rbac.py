@@ -13,8 +13,10 @@ from ztunnel.rbac import (
     NOT_ALLOWED,
     Action,
     Authorization,
+    CompiledRules,
     Connection,
     Match,
+    Plan,
     Scope,
     ServiceAccountMatch,
     StringMatch,
@@ -236,13 +238,15 @@ def test_dry_run_policy_never_changes_the_decision(
     assert evaluate([*policies, dry], c) == evaluate(policies, c)
 
 
-def reference_evaluate(policies: list[Authorization], c: Connection) -> bool:
-    """Upstream's decision written directly over ``Authorization.matches`` (no compilation, no grouping)."""
+def reference_evaluate(policies: list[Authorization], c: Connection) -> tuple[bool, str | None]:
+    """Upstream's decision written directly over ``Authorization.matches`` (no compilation, grouping or index):
+    allowed, and the first DENY policy (in policy order) that matched."""
     live = [p for p in policies if not p.dry_run]
-    if any(p.matches(c) for p in live if p.action is Action.DENY):
-        return False
+    for p in live:
+        if p.action is Action.DENY and p.matches(c):
+            return False, p.key
     allows = [p for p in live if p.action is Action.ALLOW]
-    return not allows or any(p.matches(c) for p in allows)
+    return not allows or any(p.matches(c) for p in allows), None
 
 
 _cidr_matches = st.builds(
@@ -290,7 +294,63 @@ _any_conns = st.builds(
 @settings(max_examples=500, deadline=None)
 @given(_any_policies, _any_conns)
 def test_compiled_plan_equals_the_reference_semantics(policies: list[Authorization], c: Connection) -> None:
-    assert evaluate(policies, c).allowed == reference_evaluate(policies, c)
+    decision = evaluate(policies, c)
+    assert (decision.allowed, decision.policy) == reference_evaluate(policies, c)
+
+
+_ported_matches = st.builds(
+    Match,
+    destination_ports=st.lists(st.sampled_from([80, 81, 443]), max_size=2).map(tuple),
+    not_destination_ports=st.lists(st.sampled_from([80, 443]), max_size=1).map(tuple),
+    source_ips=st.lists(st.sampled_from([parse_cidr("10.0.0.0/24")]), max_size=1).map(tuple),
+)
+_ported_policies = st.lists(
+    st.builds(
+        Authorization,
+        name=st.sampled_from(["a", "b", "c", "d", "e", "f"]),
+        namespace=st.just("ns"),
+        scope=st.just(Scope.NAMESPACE),
+        action=st.sampled_from([Action.ALLOW, Action.DENY]),
+        rules=st.lists(
+            st.lists(st.lists(_ported_matches, max_size=3).map(tuple), max_size=3).map(tuple), max_size=3
+        ).map(tuple),
+    ),
+    max_size=8,
+)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(_ported_policies, _any_conns)
+def test_port_index_never_changes_the_decision_or_the_denying_policy(
+    policies: list[Authorization], c: Connection
+) -> None:
+    # Rules mixing clauses with and without ports, several ports per clause and empty clauses: the index must
+    # only skip what cannot match, and still name the first matching DENY in policy order.
+    decision = evaluate(policies, c)
+    assert (decision.allowed, decision.policy) == reference_evaluate(policies, c)
+
+
+def test_port_index_skips_policies_for_other_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    policies = [
+        Authorization(f"p{i}", "ns", Scope.NAMESPACE, Action.ALLOW, (((Match(destination_ports=(9000 + i,)),),),))
+        for i in range(1000)
+    ]
+    policies.append(pol("deny-from-192.168", Action.DENY, Match(source_ips=(parse_cidr("192.168.0.0/16"),))))
+    plan = Plan(policies)
+    calls = 0
+    real = CompiledRules.matches
+
+    def counting(self: CompiledRules, s: Any) -> bool:
+        nonlocal calls
+        calls += 1
+        return real(self, s)
+
+    monkeypatch.setattr(CompiledRules, "matches", counting)
+    assert plan.evaluate(conn(port=9500)).allowed
+    assert calls == 2  # the port-less DENY and the one ALLOW for 9500, not 1,000
+    calls = 0
+    assert not plan.evaluate(conn(port=80)).allowed
+    assert calls == 1
 
 
 def test_plan_is_cached_until_policies_change() -> None:
@@ -395,8 +455,20 @@ def test_inapplicable_policies_are_never_evaluated(monkeypatch: pytest.MonkeyPat
 
     applicable = [
         pol("ns-allow-80", Action.ALLOW, PORT80),
-        pol("global-deny-81", Action.DENY, PORT81, scope=Scope.GLOBAL, ns="istio-system"),
-        pol("selected-deny-82", Action.DENY, Match(destination_ports=(82,)), scope=Scope.WORKLOAD_SELECTOR),
+        # on the connection's port (so the port index does not skip them), but from sources it does not come from
+        pol(
+            "global-deny-81",
+            Action.DENY,
+            Match(destination_ports=(80,), source_ips=(parse_cidr("192.168.0.0/16"),)),
+            scope=Scope.GLOBAL,
+            ns="istio-system",
+        ),
+        pol(
+            "selected-deny-82",
+            Action.DENY,
+            Match(destination_ports=(80,), source_ips=(parse_cidr("172.16.0.0/12"),)),
+            scope=Scope.WORKLOAD_SELECTOR,
+        ),
     ]
     others = [
         # every one of these would deny the connection, were it (wrongly) applied
