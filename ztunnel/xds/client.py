@@ -412,16 +412,17 @@ class _FirstStatus:
         call.add_done_callback(self._done)
 
     def _done(self, call: Any) -> None:
-        coro = call._cython_call.status()
-        try:
+        coro = None
+        try:  # a grpc internals change must never break the stream: it only loses the better message
+            coro = call._cython_call.status()
             coro.send(None)
         except StopIteration as stop:
             status = stop.value
             self.code = _grpc_common.CYGRPC_STATUS_CODE_TO_STATUS_CODE.get(status.code())
             self.details = status.details()
-        except Exception:  # a grpc internals change must never break the stream
-            pass
-        else:
+        except Exception:
+            log.debug("cannot read the gRPC call's first status", exc_info=True)
+        if coro is not None:
             coro.close()
 
     def explain(self, e: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str | None]:
