@@ -45,10 +45,14 @@ def visible_mounts(mountinfo: str) -> dict[str, tuple[str, set[str]]]:
     return mounts
 
 
-def _run(*argv: str) -> None:
-    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+def _run(*argv: str, pass_fds: tuple[int, ...] = ()) -> None:
+    result = subprocess.run(argv, capture_output=True, text=True, check=False, pass_fds=pass_fds)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {result.stderr.strip() or f'exit {result.returncode}'}")
+
+
+def _under_tmp(path: Path) -> bool:
+    return path == Path("/tmp") or Path("/tmp") in path.parents
 
 
 def setup(token: str | None) -> None:
@@ -56,7 +60,17 @@ def setup(token: str | None) -> None:
         if "ro" not in options:
             # A bind remount changes only this mount's flags (MS_REMOUNT|MS_BIND|MS_RDONLY), never the filesystem's.
             _run("mount", "-o", "remount,bind,ro", mount_point)
+    # A checkout under /tmp (a CI runner's clone, say) would vanish under the new tmpfs, and with it the venv's
+    # python: hold it by a descriptor, then bind it back at the same path, read-only like everything else.
+    checkout = Path(__file__).resolve().parents[2]
+    held = os.open(checkout, os.O_PATH | os.O_DIRECTORY) if _under_tmp(checkout) else None
     _run("mount", "-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", "/tmp")
+    if held is not None:
+        checkout.mkdir(parents=True)
+        # --no-canonicalize: mount(8) would otherwise resolve the fd link to its path, now the empty tmpfs dir.
+        _run("mount", "--no-canonicalize", "--bind", f"/proc/self/fd/{held}", str(checkout), pass_fds=(held,))
+        _run("mount", "-o", "remount,bind,ro", str(checkout))
+        os.close(held)
     _run("ip", "link", "set", "lo", "up")
     if token is not None:
         Path(TOKEN_PATH).parent.mkdir()
