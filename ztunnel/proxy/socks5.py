@@ -24,7 +24,7 @@ from typing import cast
 
 from ztunnel.proxy.common import ProxyError, ProxyInputs, ResponseFlag, format_addr
 from ztunnel.proxy.connection_manager import Direction, log_failed
-from ztunnel.proxy.relay import HDR, PlainConnection
+from ztunnel.proxy.relay import PlainConnection
 from ztunnel.sockets import peer_addr, set_accepted_options
 from ztunnel.state.workload import IPAddress, canonical_ip
 
@@ -241,11 +241,8 @@ class _Handshake(asyncio.Protocol):
         assert transport is not None and self.src is not None
         transport.pause_reading()
         plain = PlainConnection()
-        if len(ev.leftover) > len(plain.buf) - HDR:
-            plain.buf = bytearray(HDR + len(ev.leftover))
-            plain.view = memoryview(plain.buf)
-        plain.buf[HDR : HDR + len(ev.leftover)] = ev.leftover
-        plain.end = HDR + len(ev.leftover)
+        if ev.leftover:
+            plain.preload(ev.leftover)
         plain.reading_paused = True
         plain._pause_reasons |= 1  # resumed when the relay is attached
         transport.set_protocol(plain)
