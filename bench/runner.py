@@ -867,7 +867,8 @@ def _standard_notes(modes: Sequence[str], scenarios: Sequence[str], p: Profile, 
             "Control plane: xDS rows are end to end (the local control plane in the orchestrator pushes over gRPC + "
             "TLS to a dedicated ztunnel process; time from queueing the push to its ACK, which ztunnel sends after "
             "applying the batch). inproc = protobuf decode + address_from_xds + ProxyState.apply in one process. "
-            "RBAC rows time state.policies.for_workload + rbac.evaluate per inbound connection."
+            "RBAC rows time state.policies.plan (cached) + Plan.evaluate per inbound connection, and compiling "
+            "the plan (cold, and regrouping after a policy change)."
         )
     return notes
 
