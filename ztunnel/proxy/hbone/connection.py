@@ -225,6 +225,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         sslobj = self.ssl_object
         assert sslobj is not None
         core = self.core
+        in_bio = self._in_bio
         self._dispatching = True
         try:
             while not self.closed:
@@ -238,6 +239,10 @@ class HboneTransport(asyncio.BufferedProtocol):
                         if n == 0:
                             break
                         got += n
+                        if not in_bio.pending and not sslobj.pending():
+                            # Nothing left to decrypt: asking again would only raise SSLWantReadError (~1.2 us against
+                            # ~80 ns for the two checks); a request/response exchange has two such reads per round trip.
+                            break
                 except ssl.SSLWantReadError:
                     pass
                 except ssl.SSLZeroReturnError:
