@@ -27,7 +27,7 @@ import pytest
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.hbone.connection import HboneTransport
-from ztunnel.sockets import TCP_USER_TIMEOUT
+from ztunnel.sockets import TCP_USER_TIMEOUT, connect
 from ztunnel.testing import TwoNodeMesh, hbone_dial, running_app
 
 
@@ -170,3 +170,56 @@ def test_options_helper_reads_a_plain_socket() -> None:
     # The helper itself: a fresh TCP socket has neither option, so the assertions above are not vacuous.
     with socket.socket() as s:
         assert options(s)["nodelay"] == 0 and options(s)["keepalive"] == 0
+
+
+# -- connect(): numeric addresses without uvloop's getaddrinfo round trip -------------------------------------------
+
+
+async def test_connect_reaches_a_listener_and_reports_refusal_as_connect_does() -> None:
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    addr = server.sockets[0].getsockname()
+    try:
+        sock = socket.socket()
+        sock.setblocking(False)
+        try:
+            await connect(sock, addr)
+            assert sock.getpeername() == addr
+        finally:
+            sock.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+    refused = socket.socket()
+    refused.setblocking(False)
+    try:
+        with pytest.raises(ConnectionRefusedError, match="Connection refused"):
+            await connect(refused, addr)  # the listener is gone
+    finally:
+        refused.close()
+
+
+async def test_connect_waits_for_the_handshake_and_can_be_cancelled() -> None:
+    # A listener whose backlog is full leaves a SYN unanswered: the connect stays pending (it must not return before
+    # the handshake) until the caller's timeout cancels it.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    addr = listener.getsockname()
+    held: list[socket.socket] = []
+    pending = socket.socket()
+    pending.setblocking(False)
+    try:
+        for _ in range(4):  # fill the accept queue (backlog 0 still admits one or two)
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(addr)
+            held.append(s)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await connect(pending, addr)
+    finally:
+        for s in held:
+            s.close()
+        pending.close()
+        listener.close()
+    await asyncio.sleep(0.05)  # the loop goes on polling after the close

@@ -34,7 +34,7 @@ import dns.rcode
 import dns.resolver
 
 from ztunnel.config import ProxyMode
-from ztunnel.sockets import SocketFactory, family_of
+from ztunnel.sockets import SocketFactory, connect, family_of
 from ztunnel.state.workload import IPAddress, Workload, canonical_ip
 
 log = logging.getLogger("ztunnel.dns.forwarder")
@@ -186,7 +186,7 @@ class SystemForwarder:
         sock = self.sockets.udp(family_of(ns.ip))
         try:
             # A connected socket only accepts datagrams from the nameserver and reports ICMP unreachable at once.
-            await loop.sock_connect(sock, (str(ns.ip), ns.port))
+            await connect(sock, (str(ns.ip), ns.port))
             await loop.sock_sendall(sock, wire)
             while True:
                 data = await loop.sock_recv(sock, 65535)
@@ -210,7 +210,7 @@ class SystemForwarder:
         sock = self.sockets.tcp(family_of(ns.ip), bind_source=False)
         loop = asyncio.get_running_loop()
         try:
-            await loop.sock_connect(sock, (str(ns.ip), ns.port))
+            await connect(sock, (str(ns.ip), ns.port))
             await loop.sock_sendall(sock, struct.pack("!H", len(wire)) + wire)
             (length,) = struct.unpack("!H", await _recv_exactly(loop, sock, 2))
             answer = dns.message.from_wire(

@@ -47,6 +47,7 @@ from ztunnel.proxy.metrics import DerivedWorkload
 from ztunnel.proxy.pool import WorkloadKey
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.sockets import (
+    connect,
     family_of,
     local_dst,
     original_dst,
@@ -379,7 +380,7 @@ async def connect_plain(
                 set_bind_no_port(sock)
                 sock.bind((pi.sockets.cfg.source_ip, 0))
         async with asyncio.timeout(CONNECTION_TIMEOUT):
-            await loop.sock_connect(sock, sockaddr(*dst))
+            await connect(sock, sockaddr(*dst))
         upstream = PlainConnection()
         await loop.create_connection(lambda: upstream, sock=sock)
     except TimeoutError:

@@ -33,7 +33,7 @@ from ztunnel.proxy.common import (
 from ztunnel.proxy.hbone.connection import HboneTransport
 from ztunnel.proxy.hbone.core import HboneConnection, Settings
 from ztunnel.proxy.relay import HboneStream
-from ztunnel.sockets import SocketFactory, family_of, sockaddr
+from ztunnel.sockets import SocketFactory, connect, family_of, sockaddr
 from ztunnel.state.workload import IPAddress
 
 log = logging.getLogger("ztunnel.proxy.pool")
@@ -161,7 +161,7 @@ class WorkloadHBONEPool:
         sock = self._sockets.tcp(family_of(ip))
         try:
             async with asyncio.timeout(CONNECTION_TIMEOUT):
-                await loop.sock_connect(sock, sockaddr(ip, port))
+                await connect(sock, sockaddr(ip, port))
         except TimeoutError:
             sock.close()
             raise ProxyError(
