@@ -16,7 +16,6 @@ node keeps answering a good CONNECT.
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import json
 import logging
@@ -31,19 +30,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.fuzzing import LIVE_TIMEOUT, AppThread, fuzz_settings
-from ztunnel import tls
 from ztunnel.config import WorkloadInfo
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.common import ProxyInputs, format_addr, forwarded_header
-from ztunnel.proxy.hbone.connection import HboneTransport
-from ztunnel.proxy.hbone.core import ErrorCode, HboneConnection
+from ztunnel.proxy.hbone.core import ErrorCode
 from ztunnel.proxy.inbound import InboundRejected, build_inbound_request, parse_authority
 from ztunnel.state import ProxyState, StateUpdate
 from ztunnel.state.service import Service
 from ztunnel.state.workload import InboundProtocol, NamespacedHostname, NetworkAddress, Workload
 from ztunnel.telemetry import JsonFormatter, PlainFormatter
-from ztunnel.testing import EchoServer, hbone_request, node_env
+from ztunnel.testing import EchoServer, hbone_dial, hbone_request, node_env
 
 # -- authorities ---------------------------------------------------------------------------------------------------
 
@@ -251,24 +248,9 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AppThread, 
 
 
 async def dial(cert: Any) -> Any:
-    """An HBONE client connection (``hbone_dial`` without its 50 ms wait for the server's verdict on our
-    certificate: a rejection shows up as a reset here, and this test dials hundreds of times)."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[HboneTransport] = loop.create_future()
-
-    def handshake(t: HboneTransport) -> None:
-        if not done.done():
-            done.set_result(t)
-
-    def closed(t: HboneTransport) -> None:
-        if not done.done():
-            done.set_exception(ConnectionError(t.close_reason))
-
-    ctx = tls.client_context(cert)
-    await loop.create_connection(
-        lambda: HboneTransport(HboneConnection(True), ctx, on_handshake=handshake, on_closed=closed), NODE_IP, 15008
-    )
-    return await asyncio.wait_for(done, 10)
+    """An HBONE client connection without ``hbone_dial``'s 50 ms wait for the server's verdict on our certificate
+    (a rejection shows up as a reset here, and this test dials hundreds of times)."""
+    return await hbone_dial((NODE_IP, 15008), cert, settle=0)
 
 
 async def send_batch(cert: Any, batch: list[tuple[str, str, list[tuple[str, str]]]]) -> list[int | str]:

@@ -10,13 +10,14 @@ import asyncio
 import contextlib
 import os
 import socket
+import ssl
 import struct
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
 TWO_NODE = EXAMPLES / "two-node.yaml"
@@ -197,22 +198,11 @@ async def running_app(env: Mapping[str, str]) -> AsyncIterator[object]:
         await app.wait()
 
 
-async def hbone_dial(
-    addr: tuple[str, int], cert: object, verify_server: object = None, local_addr: tuple[str, int] | None = None
-) -> object:
-    """A raw HBONE client connection (our HTTP/2 core over TLS) to ``addr``, presenting ``cert``.
-
-    Returns the connected :class:`~ztunnel.proxy.hbone.connection.HboneTransport`. Raises ``ConnectionError``
-    when the handshake fails (the reason is in the message).
-    """
-    from ztunnel import tls
-    from ztunnel.identity.certificate import WorkloadCertificate
+def hbone_transport(client_side: bool, ctx: ssl.SSLContext, done: asyncio.Future[Any]) -> Any:
+    """An ``HboneTransport`` (our HTTP/2 core over TLS) that resolves ``done`` with itself once the TLS handshake is
+    done, or fails it with ``ConnectionError(reason)`` if the connection closes first."""
     from ztunnel.proxy.hbone.connection import HboneTransport
     from ztunnel.proxy.hbone.core import HboneConnection
-
-    assert isinstance(cert, WorkloadCertificate)
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[HboneTransport] = loop.create_future()
 
     def handshake(t: HboneTransport) -> None:
         if not done.done():
@@ -222,17 +212,36 @@ async def hbone_dial(
         if not done.done():
             done.set_exception(ConnectionError(t.close_reason))
 
+    return HboneTransport(HboneConnection(client_side), ctx, on_handshake=handshake, on_closed=closed)
+
+
+async def hbone_dial(
+    addr: tuple[str, int],
+    cert: object,
+    verify_server: object = None,
+    local_addr: tuple[str, int] | None = None,
+    settle: float = 0.05,
+) -> object:
+    """A raw HBONE client connection (our HTTP/2 core over TLS) to ``addr``, presenting ``cert``.
+
+    Returns the connected :class:`~ztunnel.proxy.hbone.connection.HboneTransport`. Raises ``ConnectionError``
+    when the handshake fails (the reason is in the message). With TLS 1.3 the server checks our certificate after
+    our side finished: ``settle`` seconds are given for its verdict to arrive (0: return at once; a rejection then
+    shows up later as the connection closing).
+    """
+    from ztunnel import tls
+    from ztunnel.identity.certificate import WorkloadCertificate
+
+    assert isinstance(cert, WorkloadCertificate)
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
     ctx = tls.client_context(cert)
-    await loop.create_connection(
-        lambda: HboneTransport(HboneConnection(True), ctx, on_handshake=handshake, on_closed=closed),
-        *addr,
-        local_addr=local_addr,
-    )
+    await loop.create_connection(lambda: hbone_transport(True, ctx, done), *addr, local_addr=local_addr)
     conn = await asyncio.wait_for(done, 10)
-    # TLS 1.3: the server checks our certificate after our side finished; give its verdict a moment to arrive.
-    await asyncio.sleep(0.05)
-    if conn.closed:
-        raise ConnectionError(conn.close_reason)
+    if settle:
+        await asyncio.sleep(settle)
+        if conn.closed:
+            raise ConnectionError(conn.close_reason)
     return conn
 
 

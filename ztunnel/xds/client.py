@@ -516,18 +516,15 @@ class AdsClient:
             await asyncio.sleep(backoff)
             return backoff
         except grpc.aio.AioRpcError as e:
+            reason = _describe(e.code(), e.details())
             if _is_reconnect(e):
-                self._terminated(ConnectionTerminationReason.RECONNECT, _describe(e.code(), e.details()))
-                log.debug(
-                    "XDS client terminated: %s, retrying in %s", _describe(e.code(), e.details()), _fmt(INITIAL_BACKOFF)
-                )
+                self._terminated(ConnectionTerminationReason.RECONNECT, reason)
+                log.debug("XDS client terminated: %s, retrying in %s", reason, _fmt(INITIAL_BACKOFF))
                 backoff = INITIAL_BACKOFF
             else:
                 backoff = min(MAX_BACKOFF, backoff * 2)
-                self._terminated(ConnectionTerminationReason.ERROR, _describe(e.code(), e.details()))
-                log.warning(
-                    "XDS client error: gRPC error %s, retrying in %s", _describe(e.code(), e.details()), _fmt(backoff)
-                )
+                self._terminated(ConnectionTerminationReason.ERROR, reason)
+                log.warning("XDS client error: gRPC error %s, retrying in %s", reason, _fmt(backoff))
             await asyncio.sleep(backoff)
             return backoff
         self._terminated(ConnectionTerminationReason.COMPLETE, None)

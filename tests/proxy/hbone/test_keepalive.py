@@ -26,7 +26,7 @@ from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.hbone import connection
 from ztunnel.proxy.hbone.connection import HboneTransport
-from ztunnel.proxy.hbone.core import HboneConnection
+from ztunnel.testing import hbone_transport
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 INTERVAL = 0.1
@@ -89,18 +89,6 @@ class Pair:
     handshake_at: float
 
 
-def transport(client_side: bool, ctx: ssl.SSLContext, done: asyncio.Future[HboneTransport]) -> HboneTransport:
-    def handshake(t: HboneTransport) -> None:
-        if not done.done():
-            done.set_result(t)
-
-    def closed(t: HboneTransport) -> None:
-        if not done.done():
-            done.set_exception(ConnectionError(t.close_reason))
-
-    return HboneTransport(HboneConnection(client_side), ctx, on_handshake=handshake, on_closed=closed)
-
-
 @contextlib.asynccontextmanager
 async def raw_pair(cert: WorkloadCertificate, ztunnel_role: str, answer_pings: bool) -> AsyncIterator[Pair]:
     """Our HboneTransport in ``ztunnel_role`` ("server" or "client") connected to a RawPeer."""
@@ -109,7 +97,9 @@ async def raw_pair(cert: WorkloadCertificate, ztunnel_role: str, answer_pings: b
     peer_ready: asyncio.Future[RawPeer] = loop.create_future()
     tasks: list[asyncio.Task[None]] = []
     if ztunnel_role == "server":
-        server = await loop.create_server(lambda: transport(False, tls.server_context(cert), done), "127.0.0.1", 0)
+        server = await loop.create_server(
+            lambda: hbone_transport(False, tls.server_context(cert), done), "127.0.0.1", 0
+        )
         port = server.sockets[0].getsockname()[1]
         reader, writer = await asyncio.open_connection(
             "127.0.0.1", port, ssl=tls.client_context(cert), server_hostname=""
@@ -129,7 +119,7 @@ async def raw_pair(cert: WorkloadCertificate, ztunnel_role: str, answer_pings: b
 
         server = await asyncio.start_server(accept, "127.0.0.1", 0, ssl=tls.server_context(cert))
         port = server.sockets[0].getsockname()[1]
-        await loop.create_connection(lambda: transport(True, tls.client_context(cert), done), "127.0.0.1", port)
+        await loop.create_connection(lambda: hbone_transport(True, tls.client_context(cert), done), "127.0.0.1", port)
     ours = await asyncio.wait_for(done, 10)
     handshake_at = time.monotonic()
     peer = await asyncio.wait_for(peer_ready, 10)
@@ -193,9 +183,13 @@ async def test_two_idle_hbone_transports_keep_each_other_alive(cert: WorkloadCer
     loop = asyncio.get_running_loop()
     server_done: asyncio.Future[HboneTransport] = loop.create_future()
     client_done: asyncio.Future[HboneTransport] = loop.create_future()
-    server = await loop.create_server(lambda: transport(False, tls.server_context(cert), server_done), "127.0.0.1", 0)
+    server = await loop.create_server(
+        lambda: hbone_transport(False, tls.server_context(cert), server_done), "127.0.0.1", 0
+    )
     port = server.sockets[0].getsockname()[1]
-    await loop.create_connection(lambda: transport(True, tls.client_context(cert), client_done), "127.0.0.1", port)
+    await loop.create_connection(
+        lambda: hbone_transport(True, tls.client_context(cert), client_done), "127.0.0.1", port
+    )
     client, srv = await asyncio.wait_for(client_done, 10), await asyncio.wait_for(server_done, 10)
     await asyncio.sleep(3 * TIMEOUT)
     assert not client.closed, client.close_reason
