@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.proxy.test_identity_rejects import failed
 from ztunnel.proxy import inbound_passthrough
 from ztunnel.rbac import Action, Authorization, Match, Scope, StringMatch, StringMatchKind
 from ztunnel.state import StateUpdate
@@ -197,3 +198,20 @@ async def test_established_passthrough_connection_closed_within_1s_of_a_denying_
         and "src.identity" not in f
         for f in fields
     ), caplog.text
+
+
+async def test_denied_stream_is_a_connect_failure_at_the_source(mesh: tuple[TwoNodeMesh, Any, Any, EchoServer]) -> None:
+    """The destination denies (DENY); the source only sees its CONNECT answered 401 and reports a connection failure
+    (CONNECT), as upstream's outbound does for any non-200 status. Found running beside upstream
+    (tests/interop): the same denied connection had response_flags DENY at our source reporter, CONNECT at
+    upstream's."""
+    m, _, _, _ = mesh
+    port9999 = await EchoServer().start(m.node_b, 9999)
+    with pytest.raises(ConnectionError, match="SOCKS5 reply 2"):  # still "not allowed" to the SOCKS5 client
+        await m.socks5(m.node_b, 9999)
+    await asyncio.sleep(0.1)
+    await port9999.stop()
+    assert port9999.connections == 0
+    source = [s["response_flags"] for s in await failed(m.node_a) if s["reporter"] == "source"]
+    destination = [s["response_flags"] for s in await failed(m.node_b) if s["reporter"] == "destination"]
+    assert (source, destination) == (["CONNECT"], ["DENY"])

@@ -323,8 +323,9 @@ class Outbound:
             raise ProxyError(f"HBONE stream failed: {e}") from None
         if status != 200:
             stream.reset()
-            flag = ResponseFlag.DENY if status == 401 else ResponseFlag.CONNECT
-            raise ProxyError(f"http status: {status} {_reason(status)}", flag)
+            # Any refusal, 401 included, is a connection failure at the source (upstream's HttpStatus error): only
+            # the destination knows a policy denied it and reports DENY.
+            raise ProxyError(f"http status: {status} {_reason(status)}", ResponseFlag.CONNECT)
         if plain.closed:
             stream.reset()
             raise ProxyError("client closed the connection before the tunnel was established")

@@ -15,9 +15,12 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ztunnel.testing.netns import Netns
 
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
 TWO_NODE = EXAMPLES / "two-node.yaml"
@@ -62,10 +65,14 @@ def node_env(
 
 
 class EchoServer:
-    """A TCP echo server. Half-close aware: the client's FIN is answered with FIN after the echo."""
+    """A TCP echo server. Half-close aware: the client's FIN is answered with FIN after the echo.
 
-    def __init__(self, mode: str = "echo") -> None:
+    With ``greet`` every connection first gets one line ``peer=<ip>\n`` naming the address the server sees the
+    client at (so a test can tell a spoofed source from the proxy's own address)."""
+
+    def __init__(self, mode: str = "echo", greet: bool = False) -> None:
         self.mode = mode  # "echo", "reset" (RST after the first bytes), "sink" (read and count)
+        self.greet = greet
         self.server: asyncio.Server | None = None
         self.received = 0
         self.connections = 0
@@ -83,6 +90,8 @@ class EchoServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
+            if self.greet:
+                writer.write(f"peer={writer.get_extra_info('peername')[0]}\n".encode())
             while True:
                 data = await reader.read(1 << 18)
                 if not data:
@@ -137,11 +146,29 @@ async def socks5_connect(
 
 
 class ZtunnelProcess:
-    """``python -m ztunnel`` in a subprocess, ready once its readiness probe answers 200."""
+    """``python -m ztunnel`` in a subprocess, ready once its readiness probe answers 200.
 
-    def __init__(self, env: Mapping[str, str], log_path: Path | None = None) -> None:
+    ``argv`` runs another ztunnel instead (upstream's binary: ``[path, "proxy", "ztunnel"]``); ``netns`` starts it
+    inside a network namespace (:class:`ztunnel.testing.netns.Netns`) and probes readiness from there.
+    ``kill_with_parent`` has the kernel SIGKILL it when the thread that called :meth:`start` exits (PR_SET_PDEATHSIG,
+    set by util-linux's ``setpriv``), so a test process killed mid-run leaves no proxy behind: start it from a thread
+    that outlives it (the main one).
+    """
+
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        log_path: Path | None = None,
+        *,
+        argv: Sequence[str] | None = None,
+        netns: Netns | None = None,
+        kill_with_parent: bool = False,
+    ) -> None:
         self.env = {"PATH": os.environ.get("PATH", ""), **env}
         self.log_path = log_path
+        self.argv = list(argv) if argv is not None else [sys.executable, "-m", "ztunnel", "proxy"]
+        self.netns = netns
+        self.kill_with_parent = kill_with_parent
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -150,7 +177,16 @@ class ZtunnelProcess:
         if self.log_path is not None:
             self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         out = self._log if self._log is not None else subprocess.DEVNULL
-        self.proc = subprocess.Popen([sys.executable, "-m", "ztunnel", "proxy"], env=self.env, stdout=out, stderr=out)
+        argv = with_parent_death_signal(self.argv) if self.kill_with_parent else self.argv
+        if self.netns is not None:
+            argv = self.netns.command(argv)
+        self.proc = subprocess.Popen(
+            argv,
+            env=self.env,
+            stdout=out,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
+        )
         if not wait_ready:
             return self
         host, _, port = self.env.get("ZTUNNEL_READINESS_ADDR", "127.0.0.1:15021").rpartition(":")
@@ -158,13 +194,9 @@ class ZtunnelProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ztunnel exited with {self.proc.returncode}; log: {self.log_path}")
-            try:
-                with socket.create_connection((host, int(port)), timeout=1) as s:
-                    s.sendall(b"GET /healthz/ready HTTP/1.0\r\n\r\n")
-                    if b" 200 " in s.recv(100):
-                        return self
-            except OSError:
-                pass
+            ready = self.netns.run(_ready, host, int(port)) if self.netns is not None else _ready(host, int(port))
+            if ready:
+                return self
             time.sleep(0.05)
         raise RuntimeError(f"ztunnel not ready after {timeout}s; log: {self.log_path}")
 
@@ -181,6 +213,23 @@ class ZtunnelProcess:
             self._log.close()
             self._log = None
         return self.proc.returncode
+
+
+def _ready(host: str, port: int) -> bool:
+    """Whether ``GET /healthz/ready`` on ``host:port`` answers 200."""
+    try:
+        with socket.create_connection((host, port), timeout=1) as s:
+            s.sendall(b"GET /healthz/ready HTTP/1.0\r\n\r\n")
+            return b" 200 " in s.recv(100)
+    except OSError:
+        return False
+
+
+def with_parent_death_signal(argv: Sequence[str]) -> list[str]:
+    """``argv`` wrapped so the process gets SIGKILL when the thread that starts it exits (``setpriv --pdeathsig``;
+    it survives the exec into ``argv`` and through ``ip netns exec``). No ``preexec_fn``: forking a threaded
+    interpreter into Python code is unsafe."""
+    return ["setpriv", "--pdeathsig", "KILL", "--", *argv]
 
 
 @contextlib.asynccontextmanager
