@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test lint typecheck unit fuzz robustness soak demo demo-control-plane bench bench-micro protos lock clean
+.PHONY: test lint typecheck unit interop-upstream fuzz robustness soak demo demo-control-plane bench bench-micro protos lock clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,13 @@ unit: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test: lint typecheck unit
+
+# Upstream Rust ztunnel as a peer (tests/interop, README "Interop with upstream ztunnel"): root, and
+# ZTUNNEL_UPSTREAM_BIN=<upstream binary> built per ../shared/reference/upstream-build.md. A skip is a failure here.
+interop-upstream: $(STAMP)
+	@test -n "$(ZTUNNEL_UPSTREAM_BIN)" || { echo "interop-upstream: set ZTUNNEL_UPSTREAM_BIN to an upstream ztunnel binary (README, Tests)" >&2; exit 2; }
+	ZTUNNEL_UPSTREAM_BIN="$(ZTUNNEL_UPSTREAM_BIN)" ZTUNNEL_UPSTREAM_TESTS=require ZTUNNEL_NETNS_TESTS=require \
+		$(PY) -m pytest -q tests/interop $(PYTEST_ARGS)
 
 # The fuzz tests at 100x their bounded example counts, with random inputs (FUZZ_MAX_EXAMPLES=10000 is the scale:
 # 100 = as in `make test`); prints how many examples each target ran.
