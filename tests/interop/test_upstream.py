@@ -197,7 +197,7 @@ def test_traffic_intact(runs: Runs, request: pytest.FixtureRequest, mode: Mode, 
             "istio_tcp_sent_bytes_total": len(PAYLOAD) + greeting,
         }
         assert got == want, r.name(node)
-        labels = r.echo_samples[node][0].labels
+        (labels,) = [s.labels for s in r.echo_samples[node] if s.name == "istio_tcp_connections_opened_total"]
         assert (labels["source_principal"], labels["destination_principal"]) == (CLIENT_ID, SERVER_ID)
         assert labels["destination_service"] == "echo.default.svc.cluster.local"
         assert labels["connection_security_policy"] == "mutual_tls"

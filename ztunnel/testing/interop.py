@@ -21,8 +21,9 @@ Two modes:
     istio-cni's way (``PROXY_MODE=shared``): this project's node agent (:class:`ztunnel.inpod.nodeagent.ZdsServer`)
     applies istio-cni's in-pod iptables rules in pods "client" (node1) and "server" (node2) and hands their
     namespaces to the node's ztunnel over ZDS; the ztunnels ask the CA for the pods' certificates with
-    ``ImpersonatedIdentity`` (token of the node identity ``istio-system/ztunnel``). Unmodified clients in the client
-    pod are captured; the server side spoofs the client's address towards the app.
+    ``ImpersonatedIdentity`` under the node identity's token (``istio-system/ztunnel``: the CA refuses that caller
+    any certificate but an impersonated one, so a working mTLS connection shows impersonation worked). Unmodified
+    clients in the client pod are captured; the server side spoofs the client's address towards the app.
 
 Every process gets SIGKILL when the thread that started it (call from the main one) exits, so a killed test run
 leaves no proxy behind; :meth:`InteropMesh.close` stops them all and deletes the namespaces.
