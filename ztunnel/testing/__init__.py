@@ -15,7 +15,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -137,11 +137,24 @@ async def socks5_connect(
 
 
 class ZtunnelProcess:
-    """``python -m ztunnel`` in a subprocess, ready once its readiness probe answers 200."""
+    """``python -m ztunnel`` in a subprocess, ready once its readiness probe answers 200.
 
-    def __init__(self, env: Mapping[str, str], log_path: Path | None = None) -> None:
+    ``netns`` (a :class:`ztunnel.testing.netns.Netns`) runs it, and probes its readiness, inside that network
+    namespace; ``prefix`` is put before the command (e.g. ``setpriv`` to drop capabilities).
+    """
+
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        log_path: Path | None = None,
+        *,
+        netns: Any = None,
+        prefix: Sequence[str] = (),
+    ) -> None:
         self.env = {"PATH": os.environ.get("PATH", ""), **env}
         self.log_path = log_path
+        self.netns = netns
+        self.prefix = list(prefix)
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -150,21 +163,31 @@ class ZtunnelProcess:
         if self.log_path is not None:
             self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         out = self._log if self._log is not None else subprocess.DEVNULL
-        self.proc = subprocess.Popen([sys.executable, "-m", "ztunnel", "proxy"], env=self.env, stdout=out, stderr=out)
+        argv = [*self.prefix, sys.executable, "-m", "ztunnel", "proxy"]
+        if self.netns is not None:
+            argv = self.netns.command(argv)
+        self.proc = subprocess.Popen(argv, env=self.env, stdout=out, stderr=out)
         if not wait_ready:
             return self
         host, _, port = self.env.get("ZTUNNEL_READINESS_ADDR", "127.0.0.1:15021").rpartition(":")
+        host = host.strip("[]")
+        if host in ("::", "0.0.0.0"):  # the default wildcard: probe over loopback
+            host = "127.0.0.1"
+
+        def ready() -> bool:
+            try:
+                with socket.create_connection((host, int(port)), timeout=1) as s:
+                    s.sendall(b"GET /healthz/ready HTTP/1.0\r\n\r\n")
+                    return b" 200 " in s.recv(100)
+            except OSError:
+                return False
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ztunnel exited with {self.proc.returncode}; log: {self.log_path}")
-            try:
-                with socket.create_connection((host, int(port)), timeout=1) as s:
-                    s.sendall(b"GET /healthz/ready HTTP/1.0\r\n\r\n")
-                    if b" 200 " in s.recv(100):
-                        return self
-            except OSError:
-                pass
+            if self.netns.run(ready) if self.netns is not None else ready():
+                return self
             time.sleep(0.05)
         raise RuntimeError(f"ztunnel not ready after {timeout}s; log: {self.log_path}")
 
