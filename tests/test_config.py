@@ -320,4 +320,4 @@ def test_config_json_hides_token() -> None:
     assert "s3cret" not in repr(out)
     assert out["auth"] == {"token": "set"}
     assert out["inboundAddr"] == "[::]:15008"
-    assert out["proxyMode"] == "shared"
+    assert out["proxyMode"] == "Shared"

@@ -162,7 +162,7 @@ class App:
             certificates=states if callable(states) else dict,
             connections=self._connections,
             shutdown=quit_,
-            static_config=lambda: dict(self.local_config.raw) if self.local_config is not None else None,
+            local_config=self.local_config,
             workload_state=self._workload_state if cfg.proxy_mode is ProxyMode.SHARED else None,
         )
         await self.admin_server.start(cfg.admin_addr)

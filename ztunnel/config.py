@@ -19,9 +19,10 @@ import enum
 import ipaddress
 import json
 import math
+import os
 import re
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -221,6 +222,8 @@ class Config:
 
     # Everything the process was given that starts with ISTIO_META_ etc. is in proxy_metadata; this is for display.
     istio_version: str = field(default="")
+    # The command line after the program name (upstream ``proxyArgs``), for display.
+    proxy_args: str = field(default="")
 
     @property
     def ztunnel_identity(self) -> Identity | None:
@@ -237,34 +240,142 @@ class Config:
         return f"ztunnel~{ip}~{self.pod_name or ''}.{ns}~{ns}.svc.cluster.local"  # literal domain, as upstream
 
     def to_json(self) -> dict[str, Any]:
-        """The effective configuration as camelCase JSON-able data (``ztunnel config``, admin ``config_dump``)."""
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[_camel(f.name)] = _jsonable(value)
-        # Secrets never leave the process: the token value is shown only as "set".
-        out["auth"] = {"token": "set" if self.auth.value else None}
+        """The effective configuration as upstream's ``/config_dump`` ``config`` object (``ztunnel config`` prints
+        the same): upstream's key names and serde shapes (``config.rs`` ``Config``), then this project's own keys.
+
+        Shapes: durations ``{"secs", "nanos"}``; the listener addresses upstream types ``SocketAddr`` as
+        ``"ip:port"``; those it types ``Address`` (admin, stats, readiness, DNS) as ``{"Localhost": [ipv6, port]}``
+        or ``{"SocketAddr": "ip:port"}``; root certificates as ``{"File": path}``, ``"Default"`` (``SYSTEM``) or
+        ``"Static"`` (inline PEM, not shown); headers as ``[name, value]`` pairs. Secrets never leave the process:
+        the token is shown only as set or not. Reads ``/etc/resolv.conf`` (``dnsResolverCfg``) and checks whether
+        the root certificate paths exist, as upstream decides at start.
+        """
+        ipv6 = self.ipv6_enabled
+        identity = self.ztunnel_identity
+        out: dict[str, Any] = {
+            "proxy": self.enable_proxy,
+            "dnsProxy": self.dns_proxy,
+            "windowSize": self.http2_stream_window_size,
+            "connectionWindowSize": self.http2_connection_window_size,
+            "frameSize": self.http2_frame_size,
+            "poolMaxStreamsPerConn": self.pool_max_streams_per_connection,
+            "poolUnusedReleaseTimeout": _duration(self.pool_unused_release_timeout),
+            "socks5Addr": str(self.socks5_addr) if self.socks5_addr is not None else None,
+            "adminAddr": _bind_address(self.admin_addr, ipv6),
+            "statsAddr": _bind_address(self.stats_addr, ipv6),
+            "readinessAddr": _bind_address(self.readiness_addr, ipv6),
+            "inboundAddr": str(self.inbound_addr),
+            "inboundPlaintextAddr": str(self.inbound_plaintext_addr),
+            "outboundAddr": str(self.outbound_addr),
+            "dnsProxyAddr": _bind_address(self.dns_proxy_addr, ipv6),
+            "illegalPorts": sorted(self.illegal_ports),
+            "network": self.network,
+            "localNode": self.node_name,
+            "proxyMode": self.proxy_mode.value.title(),
+            "proxyWorkloadInformation": _workload_info(self.proxy_workload_info),
+            "clusterId": self.cluster_id,
+            "clusterDomain": self.cluster_domain,
+            "caAddress": self.ca_address,
+            "caRootCert": _root_cert(self.ca_root_cert),
+            "altCaHostname": self.alt_ca_hostname,
+            "xdsAddress": self.xds_address,
+            "xdsRootCert": _root_cert(self.xds_root_cert),
+            "altXdsHostname": self.alt_xds_hostname,
+            "preferedServiceNamespace": self.prefered_service_namespace,
+            "secretTtl": _duration(self.secret_ttl),
+            "xdsOnDemand": self.xds_on_demand,
+            "fakeCa": self.fake_ca,
+            "fakeSelfInbound": False,  # upstream's test-only switch; never set in a real ztunnel
+            "selfTerminationDeadline": _duration(self.self_termination_deadline),
+            "proxyMetadata": _jsonable(self.proxy_metadata),
+            "numWorkerThreads": self.worker_threads,
+            "requireOriginalSource": self.enable_orig_src,
+            "proxyArgs": self.proxy_args,
+            **_dns_resolver(),
+            "inpodUds": self.inpod_uds,
+            "inpodPortReuse": self.inpod_port_reuse,
+            "packetMark": self.packet_mark,
+            "socketConfig": {
+                "keepaliveTime": _duration(self.keepalive_time),
+                "keepaliveInterval": _duration(self.keepalive_interval),
+                "keepaliveRetries": self.keepalive_retries,
+                "keepaliveEnabled": self.keepalive_enabled,
+                "userTimeoutEnabled": self.user_timeout_enabled,
+            },
+            "xdsHeaders": [list(h) for h in self.xds_headers],
+            "caHeaders": [list(h) for h in self.ca_headers],
+            "localhostAppTunnel": self.localhost_app_tunnel,
+            "ztunnelIdentity": str(identity) if identity is not None else None,
+            "ztunnelWorkload": (
+                _workload_info(WorkloadInfo(self.pod_name, self.pod_namespace, self.service_account))
+                if identity is not None and self.pod_name and self.pod_namespace and self.service_account
+                else None
+            ),
+            "ipv6Enabled": ipv6,
+            "crlPath": self.crl_path,
+            "enableEnhancedBaggage": self.enable_response_baggage,
+            # This project's own keys (upstream has no such fields, or keeps them out of the dump).
+            "trustDomain": self.trust_domain,
+            "caDir": self.ca_dir,
+            "localXdsPath": self.local_xds_path,
+            "localXds": "set" if self.local_xds else None,
+            "instanceIp": self.instance_ip,
+            "tls12Enabled": self.tls12_enabled,
+            "compliancePolicy": self.compliance_policy,
+            "authzPolicyInfoLogging": self.authz_policy_info_logging,
+            "logLevel": self.log_level,
+            "logFormat": self.log_format.value,
+            "istioVersion": self.istio_version,
+            "auth": {"token": "set" if self.auth.value else None},
+        }
         return out
 
 
-def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(p.title() for p in rest)
+def _duration(seconds: float) -> dict[str, int]:
+    """serde's ``std::time::Duration``."""
+    nanos = round(seconds * 1_000_000_000)
+    return {"secs": nanos // 1_000_000_000, "nanos": nanos % 1_000_000_000}
+
+
+def _bind_address(addr: SocketAddress, ipv6_enabled: bool) -> dict[str, Any]:
+    """Upstream's ``Address``: ``Localhost(ipv6_enabled, port)`` binds both loopbacks, else one socket address."""
+    return {"Localhost": [ipv6_enabled, addr.port]} if addr.is_localhost else {"SocketAddr": str(addr)}
+
+
+def _root_cert(source: RootCertSource) -> Any:
+    """Upstream's ``RootCert``: ``File`` when the path exists, ``Default`` for ``SYSTEM``, else ``Static`` (PEM)."""
+    if source.kind is RootCertKind.SYSTEM:
+        return "Default"
+    return {"File": source.value} if os.path.exists(source.value) else "Static"
+
+
+def _workload_info(info: WorkloadInfo | None) -> dict[str, str] | None:
+    if info is None:
+        return None
+    return {"name": info.name, "namespace": info.namespace, "serviceAccount": info.service_account}
+
+
+def _dns_resolver() -> dict[str, Any]:
+    """``dnsResolverCfg`` / ``dnsResolverOpts``: the nameservers the DNS proxy forwards to (``/etc/resolv.conf``),
+    in the shape of upstream's resolver config (hickory's field names), and the options this forwarder uses."""
+    from ztunnel.dns.forwarder import DEFAULT_ATTEMPTS, ResolvConf  # local: the DNS package imports this module
+
+    conf = ResolvConf.load()
+    servers = [
+        {"ip": str(ns.ip), "connections": [{"port": ns.port, "protocol": {"type": t}} for t in ("udp", "tcp")]}
+        for ns in conf.nameservers
+    ]
+    return {
+        "dnsResolverCfg": {"domain": None, "search": [str(n) for n in conf.search], "name_servers": servers},
+        "dnsResolverOpts": {"attempts": DEFAULT_ATTEMPTS, "timeout": conf.timeout},
+    }
 
 
 def _jsonable(value: Any) -> Any:
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, SocketAddress):
-        return str(value)
-    if isinstance(value, frozenset):
-        return sorted(value)
-    if isinstance(value, tuple):
-        return [_jsonable(v) for v in value]
     if isinstance(value, Mapping):
         return {k: _jsonable(v) for k, v in value.items()}
-    if hasattr(value, "__dataclass_fields__"):
-        return {_camel(k): _jsonable(v) for k, v in asdict(value).items()}
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
     return value
 
 
@@ -539,11 +650,13 @@ def from_env(
     *,
     mesh_config: str | None = None,
     cpu_count: int = 2,
+    args: Sequence[str] = (),
 ) -> Config:
     """Build the configuration from an environment mapping (pure: no I/O, no ``os.environ``).
 
     ``mesh_config`` is the text of ``./etc/istio/config/mesh`` if the caller found one; ``cpu_count`` is the number
-    of logical CPUs, used only for the worker-thread default.
+    of logical CPUs, used only for the worker-thread default; ``args`` the command line after the program name
+    (shown as ``proxyArgs``).
     """
     e = _Env(env)
     pc = _proxy_config(env, mesh_config)
@@ -728,6 +841,7 @@ def from_env(
         log_level=log_level,
         log_format=log_format,
         istio_version=env.get("ISTIO_META_ISTIO_VERSION", ""),
+        proxy_args=" ".join(args),
     )
     return _validate(cfg)
 
