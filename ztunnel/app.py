@@ -81,6 +81,8 @@ class App:
 
     async def start(self) -> None:
         """Load state and start every component. Raises :class:`StartupError` with a clear message."""
+        for warning in self.config.warnings:  # settings given that have no effect yet (config.SETTINGS)
+            log.warning("%s", warning)
         state_ready = self.readiness.register("state manager")
         self.readiness_server = ReadinessServer(self.readiness)
         await self.readiness_server.start(self.config.readiness_addr)

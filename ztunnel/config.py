@@ -15,12 +15,14 @@ directory. Upstream has no variables by those names.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import ipaddress
 import json
 import math
 import os
 import re
+import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -224,6 +226,8 @@ class Config:
     istio_version: str = field(default="")
     # The command line after the program name (upstream ``proxyArgs``), for display.
     proxy_args: str = field(default="")
+    # One message per setting that was given but has no effect yet (see SETTINGS); logged at startup.
+    warnings: tuple[str, ...] = field(default=())
 
     @property
     def ztunnel_identity(self) -> Identity | None:
@@ -528,6 +532,7 @@ class _ProxyConfig:
     stats_port: int | None = None
     concurrency: int | None = None
     proxy_metadata: Mapping[str, str] = field(default_factory=dict)
+    concurrency_source: str | None = None  # where concurrency was set, for the no-effect warning
 
 
 _PROXY_CONFIG_KEYS = {"discoveryAddress", "proxyAdminPort", "statsPort", "concurrency", "proxyMetadata"}
@@ -559,6 +564,7 @@ def _parse_proxy_config(data: Any, where: str, base: _ProxyConfig) -> _ProxyConf
         stats_port=values.get("statsPort", base.stats_port),
         concurrency=values.get("concurrency", base.concurrency),
         proxy_metadata=metadata,
+        concurrency_source=where if "concurrency" in values else base.concurrency_source,
     )
 
 
@@ -584,7 +590,7 @@ def _proxy_config(env: Mapping[str, str], mesh_config: str | None) -> _ProxyConf
     for key, value in env.items():
         if key.startswith(ISTIO_META_PREFIX) and len(key) > len(ISTIO_META_PREFIX):
             metadata[key[len(ISTIO_META_PREFIX) :]] = value
-    return _ProxyConfig(pc.discovery_address, pc.proxy_admin_port, pc.stats_port, pc.concurrency, metadata)
+    return dataclasses.replace(pc, proxy_metadata=metadata)
 
 
 def _validate_uri(raw: str | None, name: str) -> str | None:
@@ -742,6 +748,16 @@ def from_env(
     compliance = env.get("COMPLIANCE_POLICY") or None
     if compliance not in (None, "pqc"):
         raise e.error("COMPLIANCE_POLICY", compliance, "expected pqc or unset")
+    if compliance == "pqc":
+        raise ConfigError(_compliance_refusal())
+    crl_path = env.get("CRL_PATH") or None
+    if crl_path is not None:
+        # Revocation is not checked yet (issue 19). A revocation list silently ignored would let revoked peer
+        # certificates in (fail-open), so the setting is refused rather than accepted.
+        raise ConfigError(
+            f"CRL_PATH={crl_path!r} is refused: certificate revocation checking is not implemented, and ignoring the "
+            "list would accept revoked peer certificates; unset CRL_PATH (Helm: peerCaCrl.enabled=false)"
+        )
 
     stream_window = e.integer(
         "HTTP2_STREAM_WINDOW_SIZE", DEFAULT_HTTP2_STREAM_WINDOW_SIZE, minimum=1, maximum=2**31 - 1
@@ -751,6 +767,8 @@ def from_env(
     )
     # RFC 9113 §6.5.2: SETTINGS_MAX_FRAME_SIZE must be within [2^14, 2^24-1].
     frame_size = e.integer("HTTP2_FRAME_SIZE", DEFAULT_HTTP2_FRAME_SIZE, minimum=2**14, maximum=2**24 - 1)
+
+    worker_threads = _worker_threads(e, pc.concurrency, cpu_count)
 
     secret_ttl = e.duration("SECRET_TTL", DEFAULT_SECRET_TTL)
     assert secret_ttl is not None
@@ -821,12 +839,12 @@ def from_env(
         self_termination_deadline=_termination_deadline(e),
         localhost_app_tunnel=e.flag("LOCALHOST_APP_TUNNEL", True),
         enable_response_baggage=e.flag("ENABLE_RESPONSE_BAGGAGE", True),
-        crl_path=env.get("CRL_PATH") or None,
+        crl_path=crl_path,
         tls12_enabled=e.flag("TLS12_ENABLED", False),
         compliance_policy=compliance,
         # Upstream compares with == "true" and ignores anything else.
         authz_policy_info_logging=env.get("AUTHZ_POLICY_INFO_LOGGING", "") == "true",
-        worker_threads=_worker_threads(e, pc.concurrency, cpu_count),
+        worker_threads=worker_threads,
         outbound_addr=outbound_addr,
         inbound_addr=inbound_addr,
         inbound_plaintext_addr=inbound_plaintext_addr,
@@ -842,6 +860,7 @@ def from_env(
         log_format=log_format,
         istio_version=env.get("ISTIO_META_ISTIO_VERSION", ""),
         proxy_args=" ".join(args),
+        warnings=_no_effect_warnings(e, pc, worker_threads),
     )
     return _validate(cfg)
 
@@ -851,10 +870,210 @@ def _require(value: float | None) -> float:
     return value
 
 
+_WORKER_VARIABLES = (
+    "ZTUNNEL_WORKER_THREADS",
+    "ZTUNNEL_CPU_LIMIT",
+    "ZTUNNEL_RESOURCE_CPU_LIMIT",
+    "ZTUNNEL_RESOURCE_CPU_REQUEST",
+)
+
+
+def _no_effect_warnings(e: _Env, pc: _ProxyConfig, worker_threads: int) -> tuple[str, ...]:
+    """One message per setting given that has no effect yet (``Support.WARNS`` in :data:`SETTINGS`)."""
+    out: list[str] = []
+    one_loop = (
+        f"the data plane runs on one event loop (worker threads are not implemented), so the worker count it sets "
+        f"({worker_threads}, shown as numWorkerThreads) is not used"
+    )
+    for name in _WORKER_VARIABLES:
+        raw = e.raw(name)
+        if raw is not None:
+            out.append(f"{name}={raw!r} has no effect yet: {one_loop}")
+    if pc.concurrency is not None:
+        out.append(f"{pc.concurrency_source} concurrency={pc.concurrency} has no effect yet: {one_loop}")
+    raw = e.raw("LOCALHOST_APP_TUNNEL")
+    if raw is not None:
+        out.append(
+            f"LOCALHOST_APP_TUNNEL={raw!r} has no effect yet: the PROXY-protocol application tunnel (a workload's "
+            "applicationTunnel) is not implemented, so there is no app tunnel to route over loopback"
+        )
+    return tuple(out)
+
+
+def _compliance_refusal() -> str:
+    """Why ``COMPLIANCE_POLICY=pqc`` is refused, naming the TLS library in use.
+
+    The policy allows only the X25519MLKEM768 key exchange. The data path's TLS is Python's ssl module: OpenSSL has
+    ML-KEM from 3.5 on, but the ssl module (3.11) can only pick one classical ECDH curve, not a key-exchange group
+    list, so the policy cannot be applied even then; accepting it would silently negotiate classical key exchange.
+    """
+    return (
+        f"COMPLIANCE_POLICY=pqc is refused: it requires the X25519MLKEM768 key exchange only, which this ztunnel's "
+        f"TLS ({ssl.OPENSSL_VERSION}, through Python's ssl module) cannot be restricted to; accepting it would "
+        "negotiate classical key exchange"
+    )
+
+
 def _validate(cfg: Config) -> Config:
     """Cross-field checks, as upstream's ``validate_config``."""
     if cfg.dns_proxy and cfg.xds_on_demand:
         raise ConfigError("DNS proxy does not currently support on-demand mode (XDS_ON_DEMAND=true)")
     if not cfg.enable_proxy and not cfg.dns_proxy:
         raise ConfigError("ztunnel run without any servers enabled (ENABLE_PROXY=false and DNS capture off)")
+    if not cfg.enable_proxy and cfg.proxy_mode is ProxyMode.SHARED:
+        # Upstream then runs only the pods' DNS proxies; the in-pod code here cannot run a pod without its proxy
+        # listeners and would proxy its traffic anyway, so the value is refused rather than ignored.
+        raise ConfigError(
+            "ENABLE_PROXY=false is refused in shared mode (PROXY_MODE=shared): running only the pods' DNS proxies is "
+            "not implemented, and the pods' traffic would be proxied anyway; use PROXY_MODE=dedicated for a DNS-only "
+            "ztunnel"
+        )
     return cfg
+
+
+# --- what each documented setting does --------------------------------------------------------------------------
+
+
+class Support(enum.Enum):
+    """What a documented setting does here (README's configuration tables say the same)."""
+
+    IMPLEMENTED = "implemented"
+    # Accepted, but has no effect yet: a WARNING at startup names the variable, its value and why. For performance
+    # and tuning settings, where doing without them is slower or different but never less safe.
+    WARNS = "warns: no effect yet"
+    # Startup fails with a ConfigError saying why. For security-relevant settings that would otherwise be silently
+    # weaker than asked for (fail-open).
+    REFUSED = "refused at startup"
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One row of README's configuration tables: its variables, the :class:`Config` fields they set, and support.
+
+    ``warns_when`` / ``refused_when`` map each variable (of this row) that warns or is refused to a value that makes
+    it do so when set alone; an implemented setting may have a part that warns or is refused (``PROXY_CONFIG``'s
+    ``concurrency``, ``ENABLE_PROXY=false`` in shared mode). ``tests/test_settings_registry.py`` checks this
+    registry against README, against the code (implemented fields are read outside this module, the others are
+    not) and against the behaviour (each warning and refusal happens).
+    """
+
+    names: tuple[str, ...]
+    fields: tuple[str, ...]
+    support: Support = Support.IMPLEMENTED
+    warns_when: Mapping[str, str] | None = None
+    refused_when: Mapping[str, str] | None = None
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(("XDS_ADDRESS",), ("xds_address",)),
+    Setting(("CA_ADDRESS",), ("ca_address",)),
+    Setting(("XDS_ROOT_CA", "CA_ROOT_CA"), ("xds_root_cert", "ca_root_cert")),
+    Setting(("ALT_XDS_HOSTNAME", "ALT_CA_HOSTNAME"), ("alt_xds_hostname", "alt_ca_hostname")),
+    Setting(("AUTH_TOKEN",), ("auth",)),
+    Setting(("XDS_HEADER_<K>", "CA_HEADER_<K>"), ("xds_headers", "ca_headers")),
+    Setting(("CLUSTER_ID", "ISTIO_META_CLUSTER_ID"), ("cluster_id",)),
+    Setting(("CLUSTER_DOMAIN",), ("cluster_domain",)),
+    Setting(("TRUST_DOMAIN",), ("trust_domain",)),
+    Setting(("FAKE_CA",), ("fake_ca",)),
+    Setting(("LOCAL_XDS_PATH", "LOCAL_XDS"), ("local_xds_path", "local_xds")),
+    Setting(("XDS_ON_DEMAND",), ("xds_on_demand",)),
+    Setting(("SECRET_TTL",), ("secret_ttl",)),
+    Setting(("PROXY_MODE",), ("proxy_mode",)),
+    Setting(("PROXY_WORKLOAD_INFO",), ("proxy_workload_info",)),
+    Setting(("INPOD_UDS",), ("inpod_uds",)),
+    Setting(("INPOD_PORT_REUSE",), ("inpod_port_reuse",)),
+    Setting(("PACKET_MARK",), ("packet_mark",)),
+    Setting(("NODE_NAME", "NETWORK"), ("node_name", "network")),
+    Setting(
+        ("INSTANCE_IP", "POD_NAME", "POD_NAMESPACE", "SERVICE_ACCOUNT"),
+        ("instance_ip", "pod_name", "pod_namespace", "service_account"),
+    ),
+    # Dedicated mode without the proxy runs the DNS proxy alone. Shared mode would have to run the pods' DNS proxies
+    # without their listeners, which the in-pod code cannot do yet; it would proxy the pods' traffic instead of
+    # leaving it alone, so that value is refused rather than silently ignored.
+    Setting(("ENABLE_PROXY",), ("enable_proxy",), refused_when={"ENABLE_PROXY": "false"}),
+    Setting(("ISTIO_META_DNS_CAPTURE",), ("dns_proxy",)),
+    Setting(("ISTIO_META_DNS_PROXY_ADDR",), ("dns_proxy_addr",)),
+    Setting(("ISTIO_META_*", "ISTIO_METAJSON_*"), ("proxy_metadata",)),
+    # ProxyConfig's concurrency sets the worker count, which has no effect yet (see the ZTUNNEL_WORKER_THREADS row).
+    Setting(
+        ("PROXY_CONFIG",),
+        ("xds_address", "admin_addr", "stats_addr", "proxy_metadata"),
+        warns_when={"PROXY_CONFIG": '{"concurrency": 4}'},
+    ),
+    Setting(("PREFERED_SERVICE_NAMESPACE",), ("prefered_service_namespace",)),
+    Setting(("IPV6_ENABLED",), ("ipv6_enabled",)),
+    Setting(("ENABLE_ORIG_SRC",), ("enable_orig_src",)),
+    Setting(
+        ("KEEPALIVE_TIME", "KEEPALIVE_INTERVAL", "KEEPALIVE_RETRIES", "KEEPALIVE_ENABLED"),
+        ("keepalive_time", "keepalive_interval", "keepalive_retries", "keepalive_enabled"),
+    ),
+    Setting(("USER_TIMEOUT_ENABLED",), ("user_timeout_enabled",)),
+    Setting(("POOL_MAX_STREAMS_PER_CONNECTION",), ("pool_max_streams_per_connection",)),
+    Setting(("POOL_UNUSED_RELEASE_TIMEOUT",), ("pool_unused_release_timeout",)),
+    Setting(
+        ("HTTP2_STREAM_WINDOW_SIZE", "HTTP2_CONNECTION_WINDOW_SIZE", "HTTP2_FRAME_SIZE"),
+        ("http2_stream_window_size", "http2_connection_window_size", "http2_frame_size"),
+    ),
+    Setting(("TERMINATION_GRACE_PERIOD_SECONDS",), ("self_termination_deadline",)),
+    Setting(("CONNECTION_TERMINATION_DEADLINE",), ("self_termination_deadline",)),
+    # Tuning: the data plane runs on one event loop until worker processes exist (issue 16); one loop is slower on a
+    # big node, never less safe, so these warn instead of failing (the chart sets two of them on every pod).
+    Setting(
+        ("ZTUNNEL_WORKER_THREADS", "ZTUNNEL_CPU_LIMIT", "ZTUNNEL_RESOURCE_CPU_LIMIT", "ZTUNNEL_RESOURCE_CPU_REQUEST"),
+        ("worker_threads",),
+        Support.WARNS,
+        warns_when={
+            "ZTUNNEL_WORKER_THREADS": "4",
+            "ZTUNNEL_CPU_LIMIT": "4",
+            "ZTUNNEL_RESOURCE_CPU_LIMIT": "4",
+            "ZTUNNEL_RESOURCE_CPU_REQUEST": "500m",
+        },
+    ),
+    Setting(("UNSTABLE_ENABLE_SOCKS5",), ("socks5_enabled", "socks5_addr")),
+    # Routing only: it chooses how a PROXY-protocol app tunnel reaches the app, and there is no app tunnel yet
+    # (issue 18), so nothing is weaker for it being ignored.
+    Setting(
+        ("LOCALHOST_APP_TUNNEL",),
+        ("localhost_app_tunnel",),
+        Support.WARNS,
+        warns_when={"LOCALHOST_APP_TUNNEL": "false"},
+    ),
+    Setting(("ENABLE_RESPONSE_BAGGAGE",), ("enable_response_baggage",)),
+    # Security: revocation is not checked (issue 19); a revocation list silently ignored would accept revoked peer
+    # certificates, so it is refused.
+    Setting(
+        ("CRL_PATH",),
+        ("crl_path",),
+        Support.REFUSED,
+        refused_when={"CRL_PATH": "/var/run/secrets/istio/crl/ca-crl.pem"},
+    ),
+    Setting(("TLS12_ENABLED",), ("tls12_enabled",)),
+    # Security: pqc would silently negotiate classical key exchange here (see _compliance_refusal).
+    Setting(
+        ("COMPLIANCE_POLICY",),
+        ("compliance_policy",),
+        Support.REFUSED,
+        refused_when={"COMPLIANCE_POLICY": "pqc"},
+    ),
+    Setting(("AUTHZ_POLICY_INFO_LOGGING",), ("authz_policy_info_logging",)),
+    Setting(("RUST_LOG",), ("log_level",)),
+    Setting(("LOG_FORMAT",), ("log_format",)),
+    Setting(("ISTIO_META_ISTIO_VERSION",), ("istio_version",)),
+    # This project's own variables.
+    Setting(("ZTUNNEL_OUTBOUND_ADDR",), ("outbound_addr",)),
+    Setting(("ZTUNNEL_INBOUND_ADDR",), ("inbound_addr",)),
+    Setting(("ZTUNNEL_INBOUND_PLAINTEXT_ADDR",), ("inbound_plaintext_addr",)),
+    Setting(("ZTUNNEL_SOCKS5_ADDR",), ("socks5_addr",)),
+    Setting(("ZTUNNEL_ADMIN_ADDR",), ("admin_addr",)),
+    Setting(("ZTUNNEL_STATS_ADDR",), ("stats_addr",)),
+    Setting(("ZTUNNEL_READINESS_ADDR",), ("readiness_addr",)),
+    Setting(("ZTUNNEL_CA_DIR",), ("ca_dir",)),
+)
+
+# Config fields no variable sets directly.
+DERIVED_FIELDS: Mapping[str, str] = {
+    "illegal_ports": "the listener ports, which no connection may target (from the ZTUNNEL_*_ADDR settings)",
+    "proxy_args": "the command line, shown as proxyArgs in the config dump",
+    "warnings": "the startup warnings of the settings above that have no effect yet",
+}
