@@ -17,7 +17,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import logging
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -169,6 +172,21 @@ def test_a_refused_setting_fails_with_its_name(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(name)) as e:
         from_env({name: value})
     assert "refused" in str(e.value)
+
+
+@pytest.mark.parametrize(("name", "value"), REFUSALS)
+def test_the_cli_refuses_in_one_line(name: str, value: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ztunnel", "proxy"],
+        env={"PATH": os.environ.get("PATH", ""), name: value},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert proc.returncode == 1
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"error: invalid configuration: {name}") and "refused" in line, line
 
 
 def test_the_worker_settings_are_listed() -> None:
