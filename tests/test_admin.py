@@ -14,6 +14,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from ztunnel.config import from_env
 from ztunnel.testing import EchoServer, TwoNodeMesh, running_app
 
 SCHEMA = json.loads((Path(__file__).parent / "config_dump.schema.json").read_text())
@@ -47,7 +48,22 @@ async def test_config_dump_schema_and_certificate_rotation(tmp_path: Path) -> No
         assert {w["name"] for w in dump["workloads"]} == {"client", "server", "plain"}
         assert [s["hostname"] for s in dump["services"]] == ["echo.default.svc.cluster.local"]
         assert {p["name"] for p in dump["policies"]} == {"allow-client", "deny-9999"}
-        assert dump["staticConfig"]["workloads"][0]["name"] == "client"
+        # staticConfig is the local config as parsed, in upstream's shape: defaults filled in (status, capacity,
+        # networkMode were not in the file), each workload's services mapped to their port maps.
+        static = dump["staticConfig"]
+        assert [w["name"] for w in static["workloads"]] == ["client", "server", "plain"]
+        server = static["workloads"][1]
+        assert server["services"] == {"default/echo.default.svc.cluster.local": {"80": 8080}}
+        assert (server["status"], server["capacity"], server["networkMode"]) == ("Healthy", 1, "Standard")
+        assert static["workloads"][0]["services"] == {}
+        assert [s["hostname"] for s in static["services"]] == ["echo.default.svc.cluster.local"]
+        assert [p["name"] for p in static["policies"]] == ["allow-client", "deny-9999"]
+        # The effective config, as upstream names and shapes it.
+        cfg = dump["config"]
+        assert cfg["secretTtl"] == {"secs": 62, "nanos": 0}
+        assert cfg["proxyMode"] == "Dedicated" and cfg["inboundAddr"] == f"{m.node_a}:15008"
+        assert cfg["adminAddr"] == {"SocketAddr": f"{m.node_a}:15000"}
+        assert cfg["proxyWorkloadInformation"] == {"name": "client", "namespace": "default", "serviceAccount": "client"}
         (cert,) = dump["certificates"]
         assert cert["identity"] == "spiffe://cluster.local/ns/default/sa/client"
         assert cert["state"] == "Available"
@@ -116,6 +132,17 @@ async def test_quitquitquit_drains_and_stops(tmp_path: Path) -> None:
         await asyncio.wait_for(running, 5)  # the last step (stopping this admin server) completes too
 
 
+async def test_config_dump_without_local_config(tmp_path: Path) -> None:
+    # No local config (and no xDS): upstream shows an empty LocalConfig, not null.
+    m = TwoNodeMesh(tmp_path)
+    env = m.env_a()
+    del env["LOCAL_XDS_PATH"]
+    async with running_app(env):
+        dump = json.loads((await acall(m.node_a, "/config_dump"))[1])
+    jsonschema.validate(dump, SCHEMA)
+    assert dump["staticConfig"] == {"workloads": [], "policies": [], "services": []}
+
+
 def test_schema_rejects_a_broken_dump() -> None:
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"workloads": [{"uid": 1}]}, SCHEMA)
@@ -123,8 +150,9 @@ def test_schema_rejects_a_broken_dump() -> None:
 
 def _dump_with(workload_state: dict[str, Any]) -> dict[str, Any]:
     empty: dict[str, Any] = {"workloads": [], "services": [], "policies": [], "stagedServices": {}}
-    config = {"proxyMode": "Shared", "inboundAddr": "[::]:15008", "clusterId": "Kubernetes"}
-    return {**empty, "staticConfig": None, "version": {}, "config": config, "certificates": [], **workload_state}
+    static: dict[str, list[Any]] = {"workloads": [], "policies": [], "services": []}
+    config = from_env({}).to_json()
+    return {**empty, "staticConfig": static, "version": {}, "config": config, "certificates": [], **workload_state}
 
 
 INFO = {"name": "name", "namespace": "ns", "serviceAccount": "sa"}

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import jsonschema
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -33,11 +35,83 @@ def test_version_and_help() -> None:
     assert out.returncode == 2 and "unknown command 'frobnicate'" in out.stderr
 
 
+# The config dump schema's "config" object, on its own.
+CONFIG_SCHEMA = {"$defs": json.loads((ROOT / "tests" / "config_dump.schema.json").read_text())["$defs"]}
+CONFIG_SCHEMA["$ref"] = "#/$defs/config"
+
+
 def test_config_prints_effective_configuration() -> None:
     out = ztunnel("config", env={"CLUSTER_ID": "c9", "SECRET_TTL": "1h"})
     assert out.returncode == 0, out.stderr
     cfg = json.loads(out.stdout)
-    assert cfg["clusterId"] == "c9" and cfg["secretTtl"] == 3600
+    jsonschema.validate(cfg, CONFIG_SCHEMA)  # every key upstream's /config_dump has, in upstream's shape
+    assert cfg["clusterId"] == "c9" and cfg["secretTtl"] == {"secs": 3600, "nanos": 0}
+    assert cfg["proxyArgs"] == "config"
+
+
+def test_config_uses_upstream_names_and_shapes(tmp_path: Path) -> None:
+    root = tmp_path / "root-cert.pem"
+    root.write_text("-----BEGIN CERTIFICATE-----\n")
+    env = {
+        "PROXY_MODE": "dedicated",
+        "PROXY_WORKLOAD_INFO": "ns1/app/sa1",
+        "HTTP2_STREAM_WINDOW_SIZE": "65536",
+        "HTTP2_CONNECTION_WINDOW_SIZE": "262144",
+        "HTTP2_FRAME_SIZE": "32768",
+        "POOL_MAX_STREAMS_PER_CONNECTION": "7",
+        "POOL_UNUSED_RELEASE_TIMEOUT": "1m30s",
+        "CONNECTION_TERMINATION_DEADLINE": "2500ms",
+        "ENABLE_ORIG_SRC": "false",
+        "KEEPALIVE_TIME": "20s",
+        "NODE_NAME": "n1",
+        "POD_NAME": "zt-1",
+        "POD_NAMESPACE": "istio-system",
+        "SERVICE_ACCOUNT": "ztunnel",
+        "XDS_HEADER_TENANT": "t1",
+        "XDS_ROOT_CA": "SYSTEM",
+        "CA_ROOT_CA": str(root),
+        "ENABLE_RESPONSE_BAGGAGE": "false",
+        "UNSTABLE_ENABLE_SOCKS5": "true",
+        "ISTIO_META_DNS_PROXY_ADDR": "127.0.0.1:15053",
+        "AUTH_TOKEN": "s3cret-token-value",
+    }
+    out = ztunnel("config", env=env)
+    assert out.returncode == 0, out.stderr
+    cfg = json.loads(out.stdout)
+    jsonschema.validate(cfg, CONFIG_SCHEMA)
+    assert "s3cret-token-value" not in out.stdout  # secrets never leave the process
+    expected = {
+        "proxy": True,
+        "proxyMode": "Dedicated",
+        "proxyWorkloadInformation": {"name": "app", "namespace": "ns1", "serviceAccount": "sa1"},
+        "windowSize": 65536,
+        "connectionWindowSize": 262144,
+        "frameSize": 32768,
+        "poolMaxStreamsPerConn": 7,
+        "poolUnusedReleaseTimeout": {"secs": 90, "nanos": 0},
+        "selfTerminationDeadline": {"secs": 2, "nanos": 500_000_000},
+        "requireOriginalSource": False,
+        "localNode": "n1",
+        "ztunnelIdentity": "spiffe://cluster.local/ns/istio-system/sa/ztunnel",
+        "ztunnelWorkload": {"name": "zt-1", "namespace": "istio-system", "serviceAccount": "ztunnel"},
+        "xdsHeaders": [["tenant", "t1"]],
+        "caHeaders": [],
+        "xdsRootCert": "Default",
+        "caRootCert": {"File": str(root)},
+        "enableEnhancedBaggage": False,
+        "socks5Addr": "127.0.0.1:15080",
+        "adminAddr": {"Localhost": [True, 15000]},
+        "statsAddr": {"SocketAddr": "[::]:15020"},
+        "dnsProxyAddr": {"SocketAddr": "127.0.0.1:15053"},
+        "fakeSelfInbound": False,
+    }
+    assert {k: cfg[k] for k in expected} == expected
+    sc = cfg["socketConfig"]
+    assert sc["keepaliveTime"] == {"secs": 20, "nanos": 0} and sc["keepaliveRetries"] == 9
+    assert sorted(cfg["illegalPorts"]) == [15001, 15006, 15008, 15080]
+    # Inline PEM is shown as upstream shows it, without its content.
+    inline = json.loads(ztunnel("config", env={"CA_ROOT_CA": "-----BEGIN CERTIFICATE-----"}).stdout)
+    assert inline["caRootCert"] == "Static"
 
 
 def test_bad_env_exits_nonzero_with_message() -> None:

@@ -108,7 +108,6 @@ def test_every_variable_parsed() -> None:
         "TLS12_ENABLED": "true",
         "ENABLE_RESPONSE_BAGGAGE": "false",
         "LOCALHOST_APP_TUNNEL": "false",
-        "CRL_PATH": "/var/run/secrets/istio/crl/ca-crl.pem",
         "AUTHZ_POLICY_INFO_LOGGING": "true",
         "PREFERED_SERVICE_NAMESPACE": "istio-system",
         "ISTIO_META_DNS_PROXY_ADDR": "127.0.0.1:5353",
@@ -147,7 +146,8 @@ def test_every_variable_parsed() -> None:
     assert c.log_format is LogFormat.JSON and c.log_level == "access=debug,info"
     assert c.enable_orig_src is True and c.tls12_enabled is True
     assert c.enable_response_baggage is False and c.localhost_app_tunnel is False
-    assert c.crl_path == "/var/run/secrets/istio/crl/ca-crl.pem"
+    assert c.crl_path is None  # CRL_PATH is refused (test_settings_registry)
+    assert [w.split(" has no effect")[0] for w in c.warnings] == ["LOCALHOST_APP_TUNNEL='false'"]
     assert c.authz_policy_info_logging is True
     assert c.prefered_service_namespace == "istio-system"
     assert c.dns_proxy_addr == SocketAddress("127.0.0.1", 5353)
@@ -320,4 +320,4 @@ def test_config_json_hides_token() -> None:
     assert "s3cret" not in repr(out)
     assert out["auth"] == {"token": "set"}
     assert out["inboundAddr"] == "[::]:15008"
-    assert out["proxyMode"] == "shared"
+    assert out["proxyMode"] == "Shared"

@@ -573,6 +573,20 @@ def test_cluster_trust_bundle_flag_is_checked(helm_sdk: Any) -> None:
         ch.render({"env": {"ENABLE_CLUSTER_TRUST_BUNDLE_API": "yes"}})
 
 
+def test_peer_ca_crl_is_refused(helm_sdk: Any) -> None:
+    """Upstream's peerCaCrl.enabled sets CRL_PATH, which this proxy refuses at startup (revocation is not checked):
+    the chart refuses it with the reason instead of rendering pods that cannot start."""
+    values = {"peerCaCrl": {"enabled": True}}
+    with pytest.raises(helm_sdk.HelmError, match=r"peerCaCrl\.enabled: certificate revocation \(CRL_PATH\)"):
+        ch.render(values)
+    ds = ch.daemonset(ch.render({"peerCaCrl": {"enabled": False}}))
+    assert "CRL_PATH" not in ch.pod_env(ds)
+    assert not [v for v in ds["spec"]["template"]["spec"]["volumes"] if "crl" in v["name"]]
+    # What the chart would have given the proxy is refused there too, with the same reason.
+    with pytest.raises(ztconfig.ConfigError, match=r"CRL_PATH=.* is refused: certificate revocation checking"):
+        ztconfig.from_env({**ch.pod_env(ds), "CRL_PATH": "/var/run/secrets/istio/crl/ca-crl.pem"}, cpu_count=4)
+
+
 def test_values_reach_the_proxy(helm_sdk: Any) -> None:
     ds = ch.daemonset(_render(ch.CHART / "ci" / "json-logs-revision-values.yaml"))
     env = ch.pod_env(ds)
@@ -602,20 +616,13 @@ def test_user_env_overrides_chart_env_once(helm_sdk: Any) -> None:
 
 
 def test_platform_objects(helm_sdk: Any) -> None:
-    openshift = _render(ch.CHART / "ci" / "openshift-crl-netpol-values.yaml")
+    openshift = _render(ch.CHART / "ci" / "openshift-netpol-values.yaml")
     kinds = sorted(d["kind"] for d in openshift)
     assert kinds == sorted(
         ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "NetworkPolicy", "ResourceQuota", "ServiceAccount"]
     )
     ds = ch.daemonset(openshift)
     assert ch.proxy_container(ds)["securityContext"]["seLinuxOptions"] == {"type": "spc_t"}
-    # CRL_PATH and its mount as upstream's (nested in the root certificate's directory); the proxy reads CRL_PATH.
-    assert ch.env_value(ds, "CRL_PATH") == "/var/run/secrets/istio/crl/ca-crl.pem" == ch.UPSTREAM_CRL_PATH
-    assert {"mountPath": "/var/run/secrets/istio/crl", "name": "crl-volume", "readOnly": True} in ch.proxy_container(
-        ds
-    )["volumeMounts"]
-    config = ztconfig.from_env(ch.pod_env(ds), cpu_count=4)
-    assert config.crl_path == ch.UPSTREAM_CRL_PATH
     gke = _render(ch.CHART / "ci" / "gke-namespace-scope-values.yaml")
     assert sorted(d["kind"] for d in gke) == ["DaemonSet", "ResourceQuota", "ServiceAccount"]
 
@@ -662,10 +669,8 @@ def test_missing_capability_breaks_the_contract(helm_sdk: Any, kubernetes_valida
         ("expirationSeconds: 43200", "expirationSeconds: 86400", None, "expirationSeconds"),
         ("audience: istio-ca", "audience: istio-ca-other", None, "audience istio-ca"),
         ("type: DirectoryOrCreate", "type: Directory", None, "DirectoryOrCreate"),
-        ("/var/run/secrets/istio/crl/ca-crl.pem", "/etc/crl/ca-crl.pem", {"peerCaCrl": {"enabled": True}}, "CRL_PATH"),
-        ("optional: true", "optional: false", {"peerCaCrl": {"enabled": True}}, "istio-ca-crl"),
     ],
-    ids=["configmap", "trust-bundle-name", "token-expiration", "token-audience", "hostpath-type", "crl-path", "crl"],
+    ids=["configmap", "trust-bundle-name", "token-expiration", "token-audience", "hostpath-type"],
 )
 def test_contract_catches_a_volume_unlike_upstreams(
     helm_sdk: Any, tmp_path: Path, old: str, new: str, values: dict[str, Any] | None, complaint: str

@@ -32,12 +32,12 @@ def _raise_nofile_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _load_config() -> Config:
+def _load_config(args: list[str]) -> Config:
     mesh = None
     mesh_path = Path(DEFAULT_MESH_CONFIG_PATH)
     if mesh_path.is_file():
         mesh = mesh_path.read_text(encoding="utf-8")
-    return from_env(os.environ, mesh_config=mesh, cpu_count=os.cpu_count() or 1)
+    return from_env(os.environ, mesh_config=mesh, cpu_count=os.cpu_count() or 1, args=args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     try:
-        config = _load_config()
+        config = _load_config(args)
     except ConfigError as e:
         sys.stderr.write(f"error: invalid configuration: {e}\n")
         return 1

@@ -29,6 +29,7 @@ from ztunnel.config import Config, SocketAddress
 from ztunnel.http import HttpServer
 from ztunnel.identity.manager import CertificateState
 from ztunnel.identity.spiffe import Identity
+from ztunnel.localconfig import LocalConfig
 from ztunnel.proxy.common import format_addr
 from ztunnel.proxy.connection_manager import ConnectionRecord
 from ztunnel.rbac import Authorization, Match, StringMatch, StringMatchKind
@@ -135,6 +136,26 @@ def service_json(s: Service) -> dict[str, Any]:
     return out
 
 
+def static_config_json(local: LocalConfig | None) -> dict[str, Any]:
+    """``staticConfig``: the local config (``LOCAL_XDS_PATH`` / ``LOCAL_XDS``) as parsed, in upstream's
+    ``LocalConfig`` shape (defaults filled in; each workload's ``services`` maps ``namespace/hostname`` to its
+    port map); upstream's empty ``LocalConfig`` without one. What was loaded at start, which is what is in effect
+    (upstream re-reads the file, which it never reloads)."""
+    if local is None:
+        return {"workloads": [], "policies": [], "services": []}
+    update = local.update
+    workloads = []
+    for w in update.workloads:
+        out = workload_json(w)
+        out["services"] = {str(k): {str(p): t for p, t in ports.items()} for k, ports in w.services.items()}
+        workloads.append(out)
+    return {
+        "workloads": workloads,
+        "policies": [policy_json(p) for p in update.policies],
+        "services": [service_json(s) for s in update.services],
+    }
+
+
 def _string_match(m: StringMatch) -> Any:
     return {"Presence": []} if m.kind is StringMatchKind.PRESENCE else {m.kind.value: m.value}
 
@@ -239,7 +260,7 @@ class AdminServer:
         certificates: Callable[[], Mapping[Identity, CertificateState]],
         connections: Callable[[], Iterable[ConnectionRecord]],
         shutdown: Callable[[], Awaitable[None]],
-        static_config: Callable[[], Any] = lambda: None,
+        local_config: LocalConfig | None = None,
         workload_state: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
         self.config = config
@@ -247,7 +268,7 @@ class AdminServer:
         self.certificates = certificates
         self.connections = connections
         self.shutdown = shutdown
-        self.static_config = static_config
+        self.local_config = local_config
         self.workload_state = workload_state
         self._http: HttpServer | None = None
         self.addresses: list[tuple[str, int]] = []
@@ -261,7 +282,7 @@ class AdminServer:
             "stagedServices": {
                 str(k): {uid: _endpoint(ep) for uid, ep in eps.items()} for k, eps in state.services.staged.items()
             },
-            "staticConfig": self.static_config(),
+            "staticConfig": static_config_json(self.local_config),
             "version": {"version": __version__, "component": "ztunnel"},
             "config": self.config.to_json(),
             "certificates": certificates_json(self.certificates()),

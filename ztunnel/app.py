@@ -81,6 +81,8 @@ class App:
 
     async def start(self) -> None:
         """Load state and start every component. Raises :class:`StartupError` with a clear message."""
+        for warning in self.config.warnings:  # settings given that have no effect yet (config.SETTINGS)
+            log.warning("%s", warning)
         state_ready = self.readiness.register("state manager")
         self.readiness_server = ReadinessServer(self.readiness)
         await self.readiness_server.start(self.config.readiness_addr)
@@ -162,7 +164,7 @@ class App:
             certificates=states if callable(states) else dict,
             connections=self._connections,
             shutdown=quit_,
-            static_config=lambda: dict(self.local_config.raw) if self.local_config is not None else None,
+            local_config=self.local_config,
             workload_state=self._workload_state if cfg.proxy_mode is ProxyMode.SHARED else None,
         )
         await self.admin_server.start(cfg.admin_addr)

@@ -15,13 +15,16 @@ directory. Upstream has no variables by those names.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import ipaddress
 import json
 import math
+import os
 import re
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+import ssl
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -221,6 +224,10 @@ class Config:
 
     # Everything the process was given that starts with ISTIO_META_ etc. is in proxy_metadata; this is for display.
     istio_version: str = field(default="")
+    # The command line after the program name (upstream ``proxyArgs``), for display.
+    proxy_args: str = field(default="")
+    # One message per setting that was given but has no effect yet (see SETTINGS); logged at startup.
+    warnings: tuple[str, ...] = field(default=())
 
     @property
     def ztunnel_identity(self) -> Identity | None:
@@ -237,34 +244,142 @@ class Config:
         return f"ztunnel~{ip}~{self.pod_name or ''}.{ns}~{ns}.svc.cluster.local"  # literal domain, as upstream
 
     def to_json(self) -> dict[str, Any]:
-        """The effective configuration as camelCase JSON-able data (``ztunnel config``, admin ``config_dump``)."""
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[_camel(f.name)] = _jsonable(value)
-        # Secrets never leave the process: the token value is shown only as "set".
-        out["auth"] = {"token": "set" if self.auth.value else None}
+        """The effective configuration as upstream's ``/config_dump`` ``config`` object (``ztunnel config`` prints
+        the same): upstream's key names and serde shapes (``config.rs`` ``Config``), then this project's own keys.
+
+        Shapes: durations ``{"secs", "nanos"}``; the listener addresses upstream types ``SocketAddr`` as
+        ``"ip:port"``; those it types ``Address`` (admin, stats, readiness, DNS) as ``{"Localhost": [ipv6, port]}``
+        or ``{"SocketAddr": "ip:port"}``; root certificates as ``{"File": path}``, ``"Default"`` (``SYSTEM``) or
+        ``"Static"`` (inline PEM, not shown); headers as ``[name, value]`` pairs. Secrets never leave the process:
+        the token is shown only as set or not. Reads ``/etc/resolv.conf`` (``dnsResolverCfg``) and checks whether
+        the root certificate paths exist, as upstream decides at start.
+        """
+        ipv6 = self.ipv6_enabled
+        identity = self.ztunnel_identity
+        out: dict[str, Any] = {
+            "proxy": self.enable_proxy,
+            "dnsProxy": self.dns_proxy,
+            "windowSize": self.http2_stream_window_size,
+            "connectionWindowSize": self.http2_connection_window_size,
+            "frameSize": self.http2_frame_size,
+            "poolMaxStreamsPerConn": self.pool_max_streams_per_connection,
+            "poolUnusedReleaseTimeout": _duration(self.pool_unused_release_timeout),
+            "socks5Addr": str(self.socks5_addr) if self.socks5_addr is not None else None,
+            "adminAddr": _bind_address(self.admin_addr, ipv6),
+            "statsAddr": _bind_address(self.stats_addr, ipv6),
+            "readinessAddr": _bind_address(self.readiness_addr, ipv6),
+            "inboundAddr": str(self.inbound_addr),
+            "inboundPlaintextAddr": str(self.inbound_plaintext_addr),
+            "outboundAddr": str(self.outbound_addr),
+            "dnsProxyAddr": _bind_address(self.dns_proxy_addr, ipv6),
+            "illegalPorts": sorted(self.illegal_ports),
+            "network": self.network,
+            "localNode": self.node_name,
+            "proxyMode": self.proxy_mode.value.title(),
+            "proxyWorkloadInformation": _workload_info(self.proxy_workload_info),
+            "clusterId": self.cluster_id,
+            "clusterDomain": self.cluster_domain,
+            "caAddress": self.ca_address,
+            "caRootCert": _root_cert(self.ca_root_cert),
+            "altCaHostname": self.alt_ca_hostname,
+            "xdsAddress": self.xds_address,
+            "xdsRootCert": _root_cert(self.xds_root_cert),
+            "altXdsHostname": self.alt_xds_hostname,
+            "preferedServiceNamespace": self.prefered_service_namespace,
+            "secretTtl": _duration(self.secret_ttl),
+            "xdsOnDemand": self.xds_on_demand,
+            "fakeCa": self.fake_ca,
+            "fakeSelfInbound": False,  # upstream's test-only switch; never set in a real ztunnel
+            "selfTerminationDeadline": _duration(self.self_termination_deadline),
+            "proxyMetadata": _jsonable(self.proxy_metadata),
+            "numWorkerThreads": self.worker_threads,
+            "requireOriginalSource": self.enable_orig_src,
+            "proxyArgs": self.proxy_args,
+            **_dns_resolver(),
+            "inpodUds": self.inpod_uds,
+            "inpodPortReuse": self.inpod_port_reuse,
+            "packetMark": self.packet_mark,
+            "socketConfig": {
+                "keepaliveTime": _duration(self.keepalive_time),
+                "keepaliveInterval": _duration(self.keepalive_interval),
+                "keepaliveRetries": self.keepalive_retries,
+                "keepaliveEnabled": self.keepalive_enabled,
+                "userTimeoutEnabled": self.user_timeout_enabled,
+            },
+            "xdsHeaders": [list(h) for h in self.xds_headers],
+            "caHeaders": [list(h) for h in self.ca_headers],
+            "localhostAppTunnel": self.localhost_app_tunnel,
+            "ztunnelIdentity": str(identity) if identity is not None else None,
+            "ztunnelWorkload": (
+                _workload_info(WorkloadInfo(self.pod_name, self.pod_namespace, self.service_account))
+                if identity is not None and self.pod_name and self.pod_namespace and self.service_account
+                else None
+            ),
+            "ipv6Enabled": ipv6,
+            "crlPath": self.crl_path,
+            "enableEnhancedBaggage": self.enable_response_baggage,
+            # This project's own keys (upstream has no such fields, or keeps them out of the dump).
+            "trustDomain": self.trust_domain,
+            "caDir": self.ca_dir,
+            "localXdsPath": self.local_xds_path,
+            "localXds": "set" if self.local_xds else None,
+            "instanceIp": self.instance_ip,
+            "tls12Enabled": self.tls12_enabled,
+            "compliancePolicy": self.compliance_policy,
+            "authzPolicyInfoLogging": self.authz_policy_info_logging,
+            "logLevel": self.log_level,
+            "logFormat": self.log_format.value,
+            "istioVersion": self.istio_version,
+            "auth": {"token": "set" if self.auth.value else None},
+        }
         return out
 
 
-def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(p.title() for p in rest)
+def _duration(seconds: float) -> dict[str, int]:
+    """serde's ``std::time::Duration``."""
+    nanos = round(seconds * 1_000_000_000)
+    return {"secs": nanos // 1_000_000_000, "nanos": nanos % 1_000_000_000}
+
+
+def _bind_address(addr: SocketAddress, ipv6_enabled: bool) -> dict[str, Any]:
+    """Upstream's ``Address``: ``Localhost(ipv6_enabled, port)`` binds both loopbacks, else one socket address."""
+    return {"Localhost": [ipv6_enabled, addr.port]} if addr.is_localhost else {"SocketAddr": str(addr)}
+
+
+def _root_cert(source: RootCertSource) -> Any:
+    """Upstream's ``RootCert``: ``File`` when the path exists, ``Default`` for ``SYSTEM``, else ``Static`` (PEM)."""
+    if source.kind is RootCertKind.SYSTEM:
+        return "Default"
+    return {"File": source.value} if os.path.exists(source.value) else "Static"
+
+
+def _workload_info(info: WorkloadInfo | None) -> dict[str, str] | None:
+    if info is None:
+        return None
+    return {"name": info.name, "namespace": info.namespace, "serviceAccount": info.service_account}
+
+
+def _dns_resolver() -> dict[str, Any]:
+    """``dnsResolverCfg`` / ``dnsResolverOpts``: the nameservers the DNS proxy forwards to (``/etc/resolv.conf``),
+    in the shape of upstream's resolver config (hickory's field names), and the options this forwarder uses."""
+    from ztunnel.dns.forwarder import DEFAULT_ATTEMPTS, ResolvConf  # local: the DNS package imports this module
+
+    conf = ResolvConf.load()
+    servers = [
+        {"ip": str(ns.ip), "connections": [{"port": ns.port, "protocol": {"type": t}} for t in ("udp", "tcp")]}
+        for ns in conf.nameservers
+    ]
+    return {
+        "dnsResolverCfg": {"domain": None, "search": [str(n) for n in conf.search], "name_servers": servers},
+        "dnsResolverOpts": {"attempts": DEFAULT_ATTEMPTS, "timeout": conf.timeout},
+    }
 
 
 def _jsonable(value: Any) -> Any:
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, SocketAddress):
-        return str(value)
-    if isinstance(value, frozenset):
-        return sorted(value)
-    if isinstance(value, tuple):
-        return [_jsonable(v) for v in value]
     if isinstance(value, Mapping):
         return {k: _jsonable(v) for k, v in value.items()}
-    if hasattr(value, "__dataclass_fields__"):
-        return {_camel(k): _jsonable(v) for k, v in asdict(value).items()}
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
     return value
 
 
@@ -417,6 +532,7 @@ class _ProxyConfig:
     stats_port: int | None = None
     concurrency: int | None = None
     proxy_metadata: Mapping[str, str] = field(default_factory=dict)
+    concurrency_source: str | None = None  # where concurrency was set, for the no-effect warning
 
 
 _PROXY_CONFIG_KEYS = {"discoveryAddress", "proxyAdminPort", "statsPort", "concurrency", "proxyMetadata"}
@@ -448,6 +564,7 @@ def _parse_proxy_config(data: Any, where: str, base: _ProxyConfig) -> _ProxyConf
         stats_port=values.get("statsPort", base.stats_port),
         concurrency=values.get("concurrency", base.concurrency),
         proxy_metadata=metadata,
+        concurrency_source=where if "concurrency" in values else base.concurrency_source,
     )
 
 
@@ -473,7 +590,7 @@ def _proxy_config(env: Mapping[str, str], mesh_config: str | None) -> _ProxyConf
     for key, value in env.items():
         if key.startswith(ISTIO_META_PREFIX) and len(key) > len(ISTIO_META_PREFIX):
             metadata[key[len(ISTIO_META_PREFIX) :]] = value
-    return _ProxyConfig(pc.discovery_address, pc.proxy_admin_port, pc.stats_port, pc.concurrency, metadata)
+    return dataclasses.replace(pc, proxy_metadata=metadata)
 
 
 def _validate_uri(raw: str | None, name: str) -> str | None:
@@ -539,11 +656,13 @@ def from_env(
     *,
     mesh_config: str | None = None,
     cpu_count: int = 2,
+    args: Sequence[str] = (),
 ) -> Config:
     """Build the configuration from an environment mapping (pure: no I/O, no ``os.environ``).
 
     ``mesh_config`` is the text of ``./etc/istio/config/mesh`` if the caller found one; ``cpu_count`` is the number
-    of logical CPUs, used only for the worker-thread default.
+    of logical CPUs, used only for the worker-thread default; ``args`` the command line after the program name
+    (shown as ``proxyArgs``).
     """
     e = _Env(env)
     pc = _proxy_config(env, mesh_config)
@@ -629,6 +748,16 @@ def from_env(
     compliance = env.get("COMPLIANCE_POLICY") or None
     if compliance not in (None, "pqc"):
         raise e.error("COMPLIANCE_POLICY", compliance, "expected pqc or unset")
+    if compliance == "pqc":
+        raise ConfigError(_compliance_refusal())
+    crl_path = env.get("CRL_PATH") or None
+    if crl_path is not None:
+        # Revocation is not checked yet (issue 19). A revocation list silently ignored would let revoked peer
+        # certificates in (fail-open), so the setting is refused rather than accepted.
+        raise ConfigError(
+            f"CRL_PATH={crl_path!r} is refused: certificate revocation checking is not implemented, and ignoring the "
+            "list would accept revoked peer certificates; unset CRL_PATH (Helm: peerCaCrl.enabled=false)"
+        )
 
     stream_window = e.integer(
         "HTTP2_STREAM_WINDOW_SIZE", DEFAULT_HTTP2_STREAM_WINDOW_SIZE, minimum=1, maximum=2**31 - 1
@@ -638,6 +767,8 @@ def from_env(
     )
     # RFC 9113 §6.5.2: SETTINGS_MAX_FRAME_SIZE must be within [2^14, 2^24-1].
     frame_size = e.integer("HTTP2_FRAME_SIZE", DEFAULT_HTTP2_FRAME_SIZE, minimum=2**14, maximum=2**24 - 1)
+
+    worker_threads = _worker_threads(e, pc.concurrency, cpu_count)
 
     secret_ttl = e.duration("SECRET_TTL", DEFAULT_SECRET_TTL)
     assert secret_ttl is not None
@@ -708,12 +839,12 @@ def from_env(
         self_termination_deadline=_termination_deadline(e),
         localhost_app_tunnel=e.flag("LOCALHOST_APP_TUNNEL", True),
         enable_response_baggage=e.flag("ENABLE_RESPONSE_BAGGAGE", True),
-        crl_path=env.get("CRL_PATH") or None,
+        crl_path=crl_path,
         tls12_enabled=e.flag("TLS12_ENABLED", False),
         compliance_policy=compliance,
         # Upstream compares with == "true" and ignores anything else.
         authz_policy_info_logging=env.get("AUTHZ_POLICY_INFO_LOGGING", "") == "true",
-        worker_threads=_worker_threads(e, pc.concurrency, cpu_count),
+        worker_threads=worker_threads,
         outbound_addr=outbound_addr,
         inbound_addr=inbound_addr,
         inbound_plaintext_addr=inbound_plaintext_addr,
@@ -728,6 +859,8 @@ def from_env(
         log_level=log_level,
         log_format=log_format,
         istio_version=env.get("ISTIO_META_ISTIO_VERSION", ""),
+        proxy_args=" ".join(args),
+        warnings=_no_effect_warnings(e, pc, worker_threads),
     )
     return _validate(cfg)
 
@@ -737,10 +870,210 @@ def _require(value: float | None) -> float:
     return value
 
 
+_WORKER_VARIABLES = (
+    "ZTUNNEL_WORKER_THREADS",
+    "ZTUNNEL_CPU_LIMIT",
+    "ZTUNNEL_RESOURCE_CPU_LIMIT",
+    "ZTUNNEL_RESOURCE_CPU_REQUEST",
+)
+
+
+def _no_effect_warnings(e: _Env, pc: _ProxyConfig, worker_threads: int) -> tuple[str, ...]:
+    """One message per setting given that has no effect yet (``Support.WARNS`` in :data:`SETTINGS`)."""
+    out: list[str] = []
+    one_loop = (
+        f"the data plane runs on one event loop (worker threads are not implemented), so the worker count it sets "
+        f"({worker_threads}, shown as numWorkerThreads) is not used"
+    )
+    for name in _WORKER_VARIABLES:
+        raw = e.raw(name)
+        if raw is not None:
+            out.append(f"{name}={raw!r} has no effect yet: {one_loop}")
+    if pc.concurrency is not None:
+        out.append(f"{pc.concurrency_source} concurrency={pc.concurrency} has no effect yet: {one_loop}")
+    raw = e.raw("LOCALHOST_APP_TUNNEL")
+    if raw is not None:
+        out.append(
+            f"LOCALHOST_APP_TUNNEL={raw!r} has no effect yet: the PROXY-protocol application tunnel (a workload's "
+            "applicationTunnel) is not implemented, so there is no app tunnel to route over loopback"
+        )
+    return tuple(out)
+
+
+def _compliance_refusal() -> str:
+    """Why ``COMPLIANCE_POLICY=pqc`` is refused, naming the TLS library in use.
+
+    The policy allows only the X25519MLKEM768 key exchange. The data path's TLS is Python's ssl module: OpenSSL has
+    ML-KEM from 3.5 on, but the ssl module (3.11) can only pick one classical ECDH curve, not a key-exchange group
+    list, so the policy cannot be applied even then; accepting it would silently negotiate classical key exchange.
+    """
+    return (
+        f"COMPLIANCE_POLICY=pqc is refused: it requires the X25519MLKEM768 key exchange only, which this ztunnel's "
+        f"TLS ({ssl.OPENSSL_VERSION}, through Python's ssl module) cannot be restricted to; accepting it would "
+        "negotiate classical key exchange"
+    )
+
+
 def _validate(cfg: Config) -> Config:
     """Cross-field checks, as upstream's ``validate_config``."""
     if cfg.dns_proxy and cfg.xds_on_demand:
         raise ConfigError("DNS proxy does not currently support on-demand mode (XDS_ON_DEMAND=true)")
     if not cfg.enable_proxy and not cfg.dns_proxy:
         raise ConfigError("ztunnel run without any servers enabled (ENABLE_PROXY=false and DNS capture off)")
+    if not cfg.enable_proxy and cfg.proxy_mode is ProxyMode.SHARED:
+        # Upstream then runs only the pods' DNS proxies; the in-pod code here cannot run a pod without its proxy
+        # listeners and would proxy its traffic anyway, so the value is refused rather than ignored.
+        raise ConfigError(
+            "ENABLE_PROXY=false is refused in shared mode (PROXY_MODE=shared): running only the pods' DNS proxies is "
+            "not implemented, and the pods' traffic would be proxied anyway; use PROXY_MODE=dedicated for a DNS-only "
+            "ztunnel"
+        )
     return cfg
+
+
+# --- what each documented setting does --------------------------------------------------------------------------
+
+
+class Support(enum.Enum):
+    """What a documented setting does here (README's configuration tables say the same)."""
+
+    IMPLEMENTED = "implemented"
+    # Accepted, but has no effect yet: a WARNING at startup names the variable, its value and why. For performance
+    # and tuning settings, where doing without them is slower or different but never less safe.
+    WARNS = "warns: no effect yet"
+    # Startup fails with a ConfigError saying why. For security-relevant settings that would otherwise be silently
+    # weaker than asked for (fail-open).
+    REFUSED = "refused at startup"
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One row of README's configuration tables: its variables, the :class:`Config` fields they set, and support.
+
+    ``warns_when`` / ``refused_when`` map each variable (of this row) that warns or is refused to a value that makes
+    it do so when set alone; an implemented setting may have a part that warns or is refused (``PROXY_CONFIG``'s
+    ``concurrency``, ``ENABLE_PROXY=false`` in shared mode). ``tests/test_settings_registry.py`` checks this
+    registry against README, against the code (implemented fields are read outside this module, the others are
+    not) and against the behaviour (each warning and refusal happens).
+    """
+
+    names: tuple[str, ...]
+    fields: tuple[str, ...]
+    support: Support = Support.IMPLEMENTED
+    warns_when: Mapping[str, str] | None = None
+    refused_when: Mapping[str, str] | None = None
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(("XDS_ADDRESS",), ("xds_address",)),
+    Setting(("CA_ADDRESS",), ("ca_address",)),
+    Setting(("XDS_ROOT_CA", "CA_ROOT_CA"), ("xds_root_cert", "ca_root_cert")),
+    Setting(("ALT_XDS_HOSTNAME", "ALT_CA_HOSTNAME"), ("alt_xds_hostname", "alt_ca_hostname")),
+    Setting(("AUTH_TOKEN",), ("auth",)),
+    Setting(("XDS_HEADER_<K>", "CA_HEADER_<K>"), ("xds_headers", "ca_headers")),
+    Setting(("CLUSTER_ID", "ISTIO_META_CLUSTER_ID"), ("cluster_id",)),
+    Setting(("CLUSTER_DOMAIN",), ("cluster_domain",)),
+    Setting(("TRUST_DOMAIN",), ("trust_domain",)),
+    Setting(("FAKE_CA",), ("fake_ca",)),
+    Setting(("LOCAL_XDS_PATH", "LOCAL_XDS"), ("local_xds_path", "local_xds")),
+    Setting(("XDS_ON_DEMAND",), ("xds_on_demand",)),
+    Setting(("SECRET_TTL",), ("secret_ttl",)),
+    Setting(("PROXY_MODE",), ("proxy_mode",)),
+    Setting(("PROXY_WORKLOAD_INFO",), ("proxy_workload_info",)),
+    Setting(("INPOD_UDS",), ("inpod_uds",)),
+    Setting(("INPOD_PORT_REUSE",), ("inpod_port_reuse",)),
+    Setting(("PACKET_MARK",), ("packet_mark",)),
+    Setting(("NODE_NAME", "NETWORK"), ("node_name", "network")),
+    Setting(
+        ("INSTANCE_IP", "POD_NAME", "POD_NAMESPACE", "SERVICE_ACCOUNT"),
+        ("instance_ip", "pod_name", "pod_namespace", "service_account"),
+    ),
+    # Dedicated mode without the proxy runs the DNS proxy alone. Shared mode would have to run the pods' DNS proxies
+    # without their listeners, which the in-pod code cannot do yet; it would proxy the pods' traffic instead of
+    # leaving it alone, so that value is refused rather than silently ignored.
+    Setting(("ENABLE_PROXY",), ("enable_proxy",), refused_when={"ENABLE_PROXY": "false"}),
+    Setting(("ISTIO_META_DNS_CAPTURE",), ("dns_proxy",)),
+    Setting(("ISTIO_META_DNS_PROXY_ADDR",), ("dns_proxy_addr",)),
+    Setting(("ISTIO_META_*", "ISTIO_METAJSON_*"), ("proxy_metadata",)),
+    # ProxyConfig's concurrency sets the worker count, which has no effect yet (see the ZTUNNEL_WORKER_THREADS row).
+    Setting(
+        ("PROXY_CONFIG",),
+        ("xds_address", "admin_addr", "stats_addr", "proxy_metadata"),
+        warns_when={"PROXY_CONFIG": '{"concurrency": 4}'},
+    ),
+    Setting(("PREFERED_SERVICE_NAMESPACE",), ("prefered_service_namespace",)),
+    Setting(("IPV6_ENABLED",), ("ipv6_enabled",)),
+    Setting(("ENABLE_ORIG_SRC",), ("enable_orig_src",)),
+    Setting(
+        ("KEEPALIVE_TIME", "KEEPALIVE_INTERVAL", "KEEPALIVE_RETRIES", "KEEPALIVE_ENABLED"),
+        ("keepalive_time", "keepalive_interval", "keepalive_retries", "keepalive_enabled"),
+    ),
+    Setting(("USER_TIMEOUT_ENABLED",), ("user_timeout_enabled",)),
+    Setting(("POOL_MAX_STREAMS_PER_CONNECTION",), ("pool_max_streams_per_connection",)),
+    Setting(("POOL_UNUSED_RELEASE_TIMEOUT",), ("pool_unused_release_timeout",)),
+    Setting(
+        ("HTTP2_STREAM_WINDOW_SIZE", "HTTP2_CONNECTION_WINDOW_SIZE", "HTTP2_FRAME_SIZE"),
+        ("http2_stream_window_size", "http2_connection_window_size", "http2_frame_size"),
+    ),
+    Setting(("TERMINATION_GRACE_PERIOD_SECONDS",), ("self_termination_deadline",)),
+    Setting(("CONNECTION_TERMINATION_DEADLINE",), ("self_termination_deadline",)),
+    # Tuning: the data plane runs on one event loop until worker processes exist (issue 16); one loop is slower on a
+    # big node, never less safe, so these warn instead of failing (the chart sets two of them on every pod).
+    Setting(
+        ("ZTUNNEL_WORKER_THREADS", "ZTUNNEL_CPU_LIMIT", "ZTUNNEL_RESOURCE_CPU_LIMIT", "ZTUNNEL_RESOURCE_CPU_REQUEST"),
+        ("worker_threads",),
+        Support.WARNS,
+        warns_when={
+            "ZTUNNEL_WORKER_THREADS": "4",
+            "ZTUNNEL_CPU_LIMIT": "4",
+            "ZTUNNEL_RESOURCE_CPU_LIMIT": "4",
+            "ZTUNNEL_RESOURCE_CPU_REQUEST": "500m",
+        },
+    ),
+    Setting(("UNSTABLE_ENABLE_SOCKS5",), ("socks5_enabled", "socks5_addr")),
+    # Routing only: it chooses how a PROXY-protocol app tunnel reaches the app, and there is no app tunnel yet
+    # (issue 18), so nothing is weaker for it being ignored.
+    Setting(
+        ("LOCALHOST_APP_TUNNEL",),
+        ("localhost_app_tunnel",),
+        Support.WARNS,
+        warns_when={"LOCALHOST_APP_TUNNEL": "false"},
+    ),
+    Setting(("ENABLE_RESPONSE_BAGGAGE",), ("enable_response_baggage",)),
+    # Security: revocation is not checked (issue 19); a revocation list silently ignored would accept revoked peer
+    # certificates, so it is refused.
+    Setting(
+        ("CRL_PATH",),
+        ("crl_path",),
+        Support.REFUSED,
+        refused_when={"CRL_PATH": "/var/run/secrets/istio/crl/ca-crl.pem"},
+    ),
+    Setting(("TLS12_ENABLED",), ("tls12_enabled",)),
+    # Security: pqc would silently negotiate classical key exchange here (see _compliance_refusal).
+    Setting(
+        ("COMPLIANCE_POLICY",),
+        ("compliance_policy",),
+        Support.REFUSED,
+        refused_when={"COMPLIANCE_POLICY": "pqc"},
+    ),
+    Setting(("AUTHZ_POLICY_INFO_LOGGING",), ("authz_policy_info_logging",)),
+    Setting(("RUST_LOG",), ("log_level",)),
+    Setting(("LOG_FORMAT",), ("log_format",)),
+    Setting(("ISTIO_META_ISTIO_VERSION",), ("istio_version",)),
+    # This project's own variables.
+    Setting(("ZTUNNEL_OUTBOUND_ADDR",), ("outbound_addr",)),
+    Setting(("ZTUNNEL_INBOUND_ADDR",), ("inbound_addr",)),
+    Setting(("ZTUNNEL_INBOUND_PLAINTEXT_ADDR",), ("inbound_plaintext_addr",)),
+    Setting(("ZTUNNEL_SOCKS5_ADDR",), ("socks5_addr",)),
+    Setting(("ZTUNNEL_ADMIN_ADDR",), ("admin_addr",)),
+    Setting(("ZTUNNEL_STATS_ADDR",), ("stats_addr",)),
+    Setting(("ZTUNNEL_READINESS_ADDR",), ("readiness_addr",)),
+    Setting(("ZTUNNEL_CA_DIR",), ("ca_dir",)),
+)
+
+# Config fields no variable sets directly.
+DERIVED_FIELDS: Mapping[str, str] = {
+    "illegal_ports": "the listener ports, which no connection may target (from the ZTUNNEL_*_ADDR settings)",
+    "proxy_args": "the command line, shown as proxyArgs in the config dump",
+    "warnings": "the startup warnings of the settings above that have no effect yet",
+}

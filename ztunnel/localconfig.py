@@ -87,10 +87,9 @@ class LocalConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class LocalConfig:
-    """The parsed file: the state batch it describes and the raw document (shown as ``staticConfig``)."""
+    """The parsed file: the state batch it describes (also shown as the config dump's ``staticConfig``)."""
 
     update: StateUpdate
-    raw: Mapping[str, Any]
 
 
 class _Loader(yaml.SafeLoader):
@@ -628,7 +627,7 @@ def parse_local_config(text: str, source: str = "LOCAL_XDS", trust_domain: str =
     _no_duplicates(r, "services", [str(s.key) for s in services], "namespace/hostname")
     _no_duplicates(r, "policies", [p.key for p in policies], "namespace/name")
     update = StateUpdate(workloads=workloads, services=services, policies=policies, replace_all=True)
-    return LocalConfig(update=update, raw=top)
+    return LocalConfig(update=update)
 
 
 def _no_duplicates(r: _Reader, section: str, keys: list[str], what: str) -> None:

@@ -182,16 +182,24 @@ def set_mark(sock: socket.socket, mark: int | None) -> None:
         sock.setsockopt(socket.SOL_SOCKET, SO_MARK, mark)
 
 
+class TransparentError(OSError):
+    """``ENABLE_ORIG_SRC=true`` and a listener cannot be made transparent; the message says which and why."""
+
+
 def set_transparent(sock: socket.socket) -> bool:
     """IP_TRANSPARENT (needs CAP_NET_ADMIN). Returns whether it took; failure is normal outside a pod."""
     try:
-        if sock.family == socket.AF_INET6:
-            sock.setsockopt(SOL_IPV6, IPV6_TRANSPARENT, 1)
-        else:
-            sock.setsockopt(SOL_IP, IP_TRANSPARENT, 1)
+        _set_transparent(sock)
     except OSError:
         return False
     return True
+
+
+def _set_transparent(sock: socket.socket) -> None:
+    if sock.family == socket.AF_INET6:
+        sock.setsockopt(SOL_IPV6, IPV6_TRANSPARENT, 1)
+    else:
+        sock.setsockopt(SOL_IP, IP_TRANSPARENT, 1)
 
 
 def set_freebind(sock: socket.socket) -> None:
@@ -276,9 +284,14 @@ class SocketFactory:
         return sock
 
     def listeners(
-        self, addr: SocketAddress, *, reuse_port: bool = False, transparent: bool = False, ipv6: bool = True
+        self, addr: SocketAddress, *, reuse_port: bool = False, transparent: bool | None = False, ipv6: bool = True
     ) -> list[tuple[socket.socket, bool]]:
-        """Bound, listening sockets for ``addr`` with whether IP_TRANSPARENT took. ``localhost`` gives two."""
+        """Bound, listening sockets for ``addr`` with whether IP_TRANSPARENT took. ``localhost`` gives two.
+
+        ``transparent`` is ``ENABLE_ORIG_SRC``'s tri-state (upstream ``maybe_set_transparent``): ``None`` tries
+        IP_TRANSPARENT and goes on without it (best effort), ``True`` requires it (:class:`TransparentError`
+        otherwise), ``False`` never sets it, so the proxy never spoofs the client's address toward the app.
+        """
         hosts = [addr.host]
         if addr.is_localhost:
             hosts = ["127.0.0.1", "::1"] if ipv6 and socket.has_ipv6 else ["127.0.0.1"]
@@ -301,7 +314,9 @@ class SocketFactory:
             raise
         return out
 
-    def _listener(self, ip: IPAddress, port: int, *, reuse_port: bool, transparent: bool) -> tuple[socket.socket, bool]:
+    def _listener(
+        self, ip: IPAddress, port: int, *, reuse_port: bool, transparent: bool | None
+    ) -> tuple[socket.socket, bool]:
         family = family_of(ip)
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -312,7 +327,19 @@ class SocketFactory:
                 # [::] accepts IPv4 too (dual stack), as upstream's listeners do.
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if ip == ipaddress.IPv6Address("::") else 1)
             set_mark(sock, self.cfg.mark)
-            is_transparent = set_transparent(sock) if transparent else False
+            is_transparent = False
+            if transparent is None:
+                is_transparent = set_transparent(sock)
+            elif transparent:
+                try:
+                    _set_transparent(sock)
+                except OSError as e:
+                    where = f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+                    raise TransparentError(
+                        f"ENABLE_ORIG_SRC=true, but the listener {where} cannot be made transparent (IP_TRANSPARENT): "
+                        f"{e} (it needs CAP_NET_ADMIN; unset ENABLE_ORIG_SRC for best effort, or set it to false)"
+                    ) from None
+                is_transparent = True
             sock.bind(sockaddr(ip, port))
             sock.listen(LISTEN_BACKLOG)
             sock.setblocking(False)

@@ -57,9 +57,6 @@ UPSTREAM_TRUST_BUNDLE_PREFIX = "istio.io:istiod-ca:"
 UPSTREAM_TRUST_BUNDLE_DEFAULT = "root-cert"
 # hostPath type: "ideally this would be a socket, but istio-cni may not have started yet".
 UPSTREAM_SOCKET_HOSTPATH_TYPE = "DirectoryOrCreate"
-# peerCaCrl.enabled: the optional istio-ca-crl ConfigMap, read-only, at the directory of CRL_PATH.
-UPSTREAM_CRL_PATH = "/var/run/secrets/istio/crl/ca-crl.pem"
-UPSTREAM_CRL_CONFIGMAP = "istio-ca-crl"
 
 
 def helm() -> Any:
@@ -284,7 +281,7 @@ def contract_violations(
     """Everything the rendered DaemonSet must do for ztunnel, as upstream's chart does; [] when all hold.
 
     ``values`` are the values the render was given (the chart's defaults fill the rest): they decide which root
-    certificate source and which CRL mount upstream's chart would render.
+    certificate source upstream's chart would render.
     """
     problems: list[str] = []
     vals = effective_values(values)
@@ -370,21 +367,6 @@ def contract_violations(
         "(istio-cni may not have created it yet)",
     )
     check("emptyDir" in volumes.get(mounts.get("/tmp", ""), {}), "/tmp is not an emptyDir")
-
-    if (vals.get("peerCaCrl") or {}).get("enabled"):
-        crl_path = env.get("CRL_PATH", {}).get("value")
-        check(crl_path == UPSTREAM_CRL_PATH, f"env CRL_PATH={crl_path!r}, not upstream's {UPSTREAM_CRL_PATH}")
-        crl_dir = posixpath.dirname(str(crl_path))
-        crl_mount = [m for m in container.get("volumeMounts", []) if m["mountPath"] == crl_dir]
-        crl_volume = volumes.get(crl_mount[0]["name"] if crl_mount else "", {})
-        check(
-            bool(crl_mount) and crl_mount[0].get("readOnly") is True,
-            f"{crl_dir} (CRL_PATH) is not a read-only mount",
-        )
-        check(
-            crl_volume.get("configMap") == {"name": UPSTREAM_CRL_CONFIGMAP, "optional": True},
-            f"{crl_dir} (CRL_PATH) is not the optional ConfigMap {UPSTREAM_CRL_CONFIGMAP}",
-        )
 
     for name, field in DOWNWARD_API.items():
         source = env.get(name, {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")

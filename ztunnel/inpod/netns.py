@@ -134,7 +134,7 @@ class InPodSocketFactory(SocketFactory):
             return super().udp(family)
 
     def listeners(
-        self, addr: SocketAddress, *, reuse_port: bool = False, transparent: bool = False, ipv6: bool = True
+        self, addr: SocketAddress, *, reuse_port: bool = False, transparent: bool | None = False, ipv6: bool = True
     ) -> list[tuple[socket.socket, bool]]:
         with self.netns.entered():
             return super().listeners(addr, reuse_port=reuse_port, transparent=transparent, ipv6=ipv6)

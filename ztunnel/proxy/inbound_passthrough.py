@@ -36,7 +36,10 @@ class InboundPassthrough:
         cfg = self.pi.config
         loop = asyncio.get_running_loop()
         socks = self.pi.sockets.listeners(
-            cfg.inbound_plaintext_addr, reuse_port=cfg.inpod_port_reuse, transparent=True, ipv6=cfg.ipv6_enabled
+            cfg.inbound_plaintext_addr,
+            reuse_port=cfg.inpod_port_reuse,
+            transparent=cfg.enable_orig_src,
+            ipv6=cfg.ipv6_enabled,
         )
         for sock, transparent in socks:
             self.transparent = self.transparent or transparent

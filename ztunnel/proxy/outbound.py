@@ -215,7 +215,7 @@ class Outbound:
         cfg = self.pi.config
         loop = asyncio.get_running_loop()
         socks = self.pi.sockets.listeners(
-            cfg.outbound_addr, reuse_port=self.pi.config.inpod_port_reuse, transparent=True, ipv6=cfg.ipv6_enabled
+            cfg.outbound_addr, reuse_port=cfg.inpod_port_reuse, transparent=cfg.enable_orig_src, ipv6=cfg.ipv6_enabled
         )
         for sock, transparent in socks:
             self.transparent = self.transparent or transparent

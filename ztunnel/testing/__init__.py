@@ -148,8 +148,9 @@ async def socks5_connect(
 class ZtunnelProcess:
     """``python -m ztunnel`` in a subprocess, ready once its readiness probe answers 200.
 
-    ``argv`` runs another ztunnel instead (upstream's binary: ``[path, "proxy", "ztunnel"]``); ``netns`` starts it
-    inside a network namespace (:class:`ztunnel.testing.netns.Netns`) and probes readiness from there.
+    ``argv`` runs another ztunnel instead of ``python -m ztunnel proxy`` (upstream's binary: ``[path, "proxy",
+    "ztunnel"]``); ``prefix`` is put before the command (e.g. ``setpriv`` to drop capabilities); ``netns`` (a
+    :class:`ztunnel.testing.netns.Netns`) runs it, and probes its readiness, inside that network namespace.
     ``kill_with_parent`` has the kernel SIGKILL it when the thread that called :meth:`start` exits (PR_SET_PDEATHSIG,
     set by util-linux's ``setpriv``), so a test process killed mid-run leaves no proxy behind: start it from a thread
     that outlives it (the main one).
@@ -162,12 +163,14 @@ class ZtunnelProcess:
         *,
         argv: Sequence[str] | None = None,
         netns: Netns | None = None,
+        prefix: Sequence[str] = (),
         kill_with_parent: bool = False,
     ) -> None:
         self.env = {"PATH": os.environ.get("PATH", ""), **env}
         self.log_path = log_path
         self.argv = list(argv) if argv is not None else [sys.executable, "-m", "ztunnel", "proxy"]
         self.netns = netns
+        self.prefix = list(prefix)
         self.kill_with_parent = kill_with_parent
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
@@ -177,25 +180,32 @@ class ZtunnelProcess:
         if self.log_path is not None:
             self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         out = self._log if self._log is not None else subprocess.DEVNULL
-        argv = with_parent_death_signal(self.argv) if self.kill_with_parent else self.argv
+        argv = [*self.prefix, *self.argv]
+        if self.kill_with_parent:
+            argv = with_parent_death_signal(argv)
         if self.netns is not None:
             argv = self.netns.command(argv)
-        self.proc = subprocess.Popen(
-            argv,
-            env=self.env,
-            stdout=out,
-            stderr=out,
-            stdin=subprocess.DEVNULL,
-        )
+        self.proc = subprocess.Popen(argv, env=self.env, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
         if not wait_ready:
             return self
         host, _, port = self.env.get("ZTUNNEL_READINESS_ADDR", "127.0.0.1:15021").rpartition(":")
+        host = host.strip("[]")
+        if host in ("::", "0.0.0.0"):  # the default wildcard: probe over loopback
+            host = "127.0.0.1"
+
+        def ready() -> bool:
+            try:
+                with socket.create_connection((host, int(port)), timeout=1) as s:
+                    s.sendall(b"GET /healthz/ready HTTP/1.0\r\n\r\n")
+                    return b" 200 " in s.recv(100)
+            except OSError:
+                return False
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ztunnel exited with {self.proc.returncode}; log: {self.log_path}")
-            ready = self.netns.run(_ready, host, int(port)) if self.netns is not None else _ready(host, int(port))
-            if ready:
+            if self.netns.run(ready) if self.netns is not None else ready():
                 return self
             time.sleep(0.05)
         raise RuntimeError(f"ztunnel not ready after {timeout}s; log: {self.log_path}")
@@ -213,16 +223,6 @@ class ZtunnelProcess:
             self._log.close()
             self._log = None
         return self.proc.returncode
-
-
-def _ready(host: str, port: int) -> bool:
-    """Whether ``GET /healthz/ready`` on ``host:port`` answers 200."""
-    try:
-        with socket.create_connection((host, port), timeout=1) as s:
-            s.sendall(b"GET /healthz/ready HTTP/1.0\r\n\r\n")
-            return b" 200 " in s.recv(100)
-    except OSError:
-        return False
 
 
 def with_parent_death_signal(argv: Sequence[str]) -> list[str]:
