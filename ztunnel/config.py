@@ -221,6 +221,9 @@ class Config:
 
     # Everything the process was given that starts with ISTIO_META_ etc. is in proxy_metadata; this is for display.
     istio_version: str = field(default="")
+    # ZTUNNEL_VERIFY_SOURCE_IDENTITY (this project's own): on 15008, refuse a peer whose certificate is not the
+    # identity of the workload at its source IP (upstream accepts it; the IP's workload is then never attributed).
+    verify_source_identity: bool = field(default=False)
 
     @property
     def ztunnel_identity(self) -> Identity | None:
@@ -728,6 +731,7 @@ def from_env(
         log_level=log_level,
         log_format=log_format,
         istio_version=env.get("ISTIO_META_ISTIO_VERSION", ""),
+        verify_source_identity=e.flag("ZTUNNEL_VERIFY_SOURCE_IDENTITY", False),
     )
     return _validate(cfg)
 
