@@ -9,8 +9,9 @@ A bad value raises :class:`ConfigError` naming the variable, the value and what 
 exits non-zero before anything is bound.
 
 A few variables are this project's own and start with ``ZTUNNEL_``: the per-listener bind addresses (upstream fixes
-them in code; running two ztunnels on one host, as the demo, tests and benchmark do, needs them) and the local CA
-directory. Upstream has no variables by those names.
+them in code; running two ztunnels on one host, as the demo, tests and benchmark do, needs them), the local CA
+directory, and ``ZTUNNEL_VERIFY_SOURCE_IDENTITY`` (an opt-in check stricter than upstream). Upstream has no
+variables by those names.
 """
 
 from __future__ import annotations
@@ -228,6 +229,9 @@ class Config:
     proxy_args: str = field(default="")
     # One message per setting that was given but has no effect yet (see SETTINGS); logged at startup.
     warnings: tuple[str, ...] = field(default=())
+    # ZTUNNEL_VERIFY_SOURCE_IDENTITY (this project's own): on 15008, refuse a peer whose certificate is not the
+    # identity of the workload at its source IP (upstream accepts it; the IP's workload is then never attributed).
+    verify_source_identity: bool = field(default=False)
 
     @property
     def ztunnel_identity(self) -> Identity | None:
@@ -861,6 +865,7 @@ def from_env(
         istio_version=env.get("ISTIO_META_ISTIO_VERSION", ""),
         proxy_args=" ".join(args),
         warnings=_no_effect_warnings(e, pc, worker_threads),
+        verify_source_identity=e.flag("ZTUNNEL_VERIFY_SOURCE_IDENTITY", False),
     )
     return _validate(cfg)
 
@@ -1069,6 +1074,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(("ZTUNNEL_STATS_ADDR",), ("stats_addr",)),
     Setting(("ZTUNNEL_READINESS_ADDR",), ("readiness_addr",)),
     Setting(("ZTUNNEL_CA_DIR",), ("ca_dir",)),
+    Setting(("ZTUNNEL_VERIFY_SOURCE_IDENTITY",), ("verify_source_identity",)),
 )
 
 # Config fields no variable sets directly.

@@ -110,26 +110,34 @@ async def test_bad_client_certificate_is_refused(
     assert flags == [flag], samples
 
 
-async def test_pod_presenting_another_pods_certificate(
-    mesh: tuple[TwoNodeMesh, LocalCA, EchoServer], caplog: pytest.LogCaptureFixture
-) -> None:
-    """From the client workload's own IP, with a valid certificate of another identity: 401, IDENTITY_ERROR."""
-    m, ca, echo = mesh
+async def test_pod_presenting_another_pods_certificate(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """With ZTUNNEL_VERIFY_SOURCE_IDENTITY=true: from the client workload's own IP, with a valid certificate of another
+    identity: 401, IDENTITY_ERROR. (By default it is accepted as upstream does, without the IP's workload:
+    tests/proxy/test_inbound_source.py.)"""
+    m = TwoNodeMesh(tmp_path)
     caplog.set_level(logging.INFO, logger="access")
-    conn: Any = await hbone_dial((m.node_b, 15008), ca.issue(OTHER, timedelta(hours=1)), local_addr=(m.node_a, 0))
-    status, _ = await hbone_request(conn, f"{m.server_app[0]}:{m.server_app[1]}")
-    conn.close("test done")
-    assert status == 401
-    assert echo.connections == 0
-    errors = [str(getattr(r, "fields", {}).get("error", "")) for r in caplog.records]
-    assert any("identity mismatch" in e and str(OTHER) in e and "default/client" in e for e in errors), errors
-    flags = [s["response_flags"] for s in await failed(m.node_b) if s["reporter"] == "destination"]
-    assert flags == ["IDENTITY_ERROR"]
-    # The control: the same IP with its own identity gets through.
-    conn = await hbone_dial((m.node_b, 15008), ca.issue(CLIENT, timedelta(hours=1)), local_addr=(m.node_a, 0))
-    status, _ = await hbone_request(conn, f"{m.server_app[0]}:{m.server_app[1]}")
-    conn.close("test done")
-    assert status == 200
+    echo = await EchoServer().start(*m.server_app)
+    try:
+        async with running_app(m.env_a()), running_app(m.env_b(ZTUNNEL_VERIFY_SOURCE_IDENTITY="true")):
+            ca = LocalCA.load_or_create(m.ca_dir, "cluster.local")
+            conn: Any = await hbone_dial(
+                (m.node_b, 15008), ca.issue(OTHER, timedelta(hours=1)), local_addr=(m.node_a, 0)
+            )
+            status, _ = await hbone_request(conn, f"{m.server_app[0]}:{m.server_app[1]}")
+            conn.close("test done")
+            assert status == 401
+            assert echo.connections == 0
+            errors = [str(getattr(r, "fields", {}).get("error", "")) for r in caplog.records]
+            assert any("identity mismatch" in e and str(OTHER) in e and "default/client" in e for e in errors), errors
+            flags = [s["response_flags"] for s in await failed(m.node_b) if s["reporter"] == "destination"]
+            assert flags == ["IDENTITY_ERROR"]
+            # The control: the same IP with its own identity gets through.
+            conn = await hbone_dial((m.node_b, 15008), ca.issue(CLIENT, timedelta(hours=1)), local_addr=(m.node_a, 0))
+            status, _ = await hbone_request(conn, f"{m.server_app[0]}:{m.server_app[1]}")
+            conn.close("test done")
+            assert status == 200
+    finally:
+        await echo.stop()
 
 
 async def test_server_presenting_the_wrong_identity(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

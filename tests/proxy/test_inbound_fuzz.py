@@ -8,10 +8,10 @@ spacing variants), ``baggage``, ``traceparent`` and arbitrary others.
 
 Properties: ``parse_authority`` returns an address or raises ``ValueError`` naming the authority; round trips hold
 for every valid address; ``build_inbound_request`` returns a request or rejects with 400 (the request is malformed)
-or 503 (nothing to connect to), with a message; the ``forwarded`` host names the service it says. Live: every
-CONNECT is answered 200/400/401/503 (or the stream or connection is reset for headers HTTP/2 forbids), the same
-status as the pure function predicts when the authority is malformed, access-log lines stay one line each, and the
-node keeps answering a good CONNECT.
+or 503 (nothing to connect to), with a message; the reported service is one that selects the workload, whatever
+the ``forwarded`` host says. Live: every CONNECT is answered 200/400/401/503 (or the stream or connection is reset
+for headers HTTP/2 forbids), the same status as the pure function predicts when the authority is malformed,
+access-log lines stay one line each, and the node keeps answering a good CONNECT.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.common import ProxyInputs, format_addr, forwarded_header
 from ztunnel.proxy.hbone.core import ErrorCode
-from ztunnel.proxy.inbound import InboundRejected, build_inbound_request, parse_authority
+from ztunnel.proxy.inbound import InboundRejected, build_inbound_request, parse_authority, parse_forwarded_host
 from ztunnel.state import ProxyState, StateUpdate
 from ztunnel.state.service import Service
 from ztunnel.state.workload import InboundProtocol, NamespacedHostname, NetworkAddress, Workload
@@ -181,23 +181,27 @@ def test_build_inbound_request_accepts_or_rejects_with_a_status(
         return
     assert method == "CONNECT"
     assert req.upstream[0] == conn_dst and 0 <= req.upstream[1] <= 65535
-    # The forwarded host, when there is one, is the service reported for telemetry.
-    fwd_hosts = [
-        v.strip('"')
-        for part in headers.get("forwarded", "").split(";")
-        for k, _, v in [part.strip().partition("=")]
-        if k.lower() == "host" and v
-    ]
-    if fwd_hosts and not isinstance(parse_authority(authority)[0], str):
-        assert req.service is not None and req.service.hostname == fwd_hosts[0]
+    # Whatever the forwarded host says, only a service that selects the workload is reported for telemetry: the
+    # one the header names, else the one whose target port this is.
+    if parse_forwarded_host(headers.get("forwarded", "")) == SVC_HOST or req.upstream[1] == 8080:
+        assert req.service is not None and req.service.hostname == SVC_HOST
+    else:
+        assert req.service is None
 
 
 @fuzz_settings(500)
-@given(st.integers(0, 65535), st.sampled_from([SVC_HOST, "other.ns.svc.cluster.local"]))
-def test_forwarded_host_round_trips(port: int, host: str) -> None:
-    headers = {"forwarded": forwarded_header((ipaddress.IPv4Address("10.0.0.1"), port), host)}
-    req = build_inbound_request(PI, "CONNECT", f"{NODE_IP}:8080", ipaddress.IPv4Address(NODE_IP), headers)
-    assert req.service is not None and req.service.hostname == host
+@given(
+    st.integers(0, 65535),
+    st.sampled_from([SVC_HOST, "other.ns.svc.cluster.local"]),
+    st.sampled_from([8080, 80, 9090, 1]),
+)
+def test_forwarded_host_names_only_services_of_the_destination(src_port: int, host: str, port: int) -> None:
+    headers = {"forwarded": forwarded_header((ipaddress.IPv4Address("10.0.0.1"), src_port), host)}
+    req = build_inbound_request(PI, "CONNECT", f"{NODE_IP}:{port}", ipaddress.IPv4Address(NODE_IP), headers)
+    if host == SVC_HOST or port == 8080:  # named by the header, or by the port
+        assert req.service is not None and req.service.hostname == SVC_HOST
+    else:
+        assert req.service is None
 
 
 # -- a live 15008 --------------------------------------------------------------------------------------------------

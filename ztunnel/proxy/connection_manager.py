@@ -4,6 +4,11 @@ access log (upstream ``proxy/connection_manager.rs`` and the access-log half of 
 A connection is registered when it is established and released when it closes; the release writes the access log
 line (``connection complete``) with upstream's fields. Byte counts are read from the relay at that moment, never
 per chunk.
+
+An inbound connection is registered earlier, before its policy check and while it connects to the app (as
+upstream's ``assert_rbac``), so a policy that arrives meanwhile reaches it: it is tracked but not yet counted, and
+:meth:`ConnectionManager.established` counts it once the app accepted it. One that never gets there is counted
+when it is released, with the labels it has by then.
 """
 
 from __future__ import annotations
@@ -129,14 +134,21 @@ class ConnectionManager:
     def __iter__(self) -> Iterator[ConnectionRecord]:
         return iter(list(self._open.values()))
 
-    def register(self, record: ConnectionRecord) -> ConnectionRecord:
+    def register(self, record: ConnectionRecord, *, established: bool = True) -> ConnectionRecord:
+        """Track ``record``. ``established=False``: not connected yet (inbound, before its policy check and app
+        connect): tracked, so policy changes reach it, but counted only by :meth:`established` or its release."""
         record.id = next(self._ids)
         self._open[record.id] = record
-        if self.traffic is not None:
+        if established:
+            self.established(record)
+        return record
+
+    def established(self, record: ConnectionRecord) -> None:
+        """The connection is up: count it as opened (with its labels as they are now) and log it at debug."""
+        if self.traffic is not None and record.metrics is None:
             record.metrics = self.traffic.open(record.labels())
         if access.isEnabledFor(logging.DEBUG):
             log_fields(access, logging.DEBUG, "connection opened", **record.fields())
-        return record
 
     def release(
         self, record: ConnectionRecord, flag: ResponseFlag = ResponseFlag.NONE, error: str | None = None
@@ -147,7 +159,9 @@ class ConnectionManager:
         if record.forced is not None:
             flag, error = record.forced
         sent, received = record.bytes_sent(), record.bytes_recv()
-        if self.traffic is not None and record.metrics is not None:
+        if self.traffic is not None:
+            if record.metrics is None:  # never established: opened and closed at once, as upstream counts it
+                record.metrics = self.traffic.open(record.labels())
             self.traffic.close(record.metrics, sent, received, flag)
         for cb in self.on_close:
             cb(record, flag, error)

@@ -9,13 +9,15 @@ upstream's status codes (the client maps anything but 200 to a failed connection
   waypoint;
 * 503: the local workload is unknown; no target port (hostname authority without a port mapping); the target port
   is one of ztunnel's own (``attempted recursive call to ourselves``); the workload refused the connection;
-* 401: the peer's certificate identity is not the identity of the workload its source IP belongs to (a pod
-  presenting another pod's certificate; stricter than upstream, see ``_check_source_identity``); authorization
-  policy denied it;
+* 401: authorization policy denied it, also when the denying policy arrived while the app was being connected to;
+  with ``ZTUNNEL_VERIFY_SOURCE_IDENTITY=true``, the peer's certificate is not the identity of the workload its
+  source IP belongs to (stricter than upstream, see ``_check_source_identity``);
 * 200 (with ``baggage`` describing the destination, when ``ENABLE_RESPONSE_BAGGAGE``), then the bytes flow.
 
-The upstream connection's source IP is the client's when the listener could be made transparent (IP_TRANSPARENT),
-so the workload sees who really called.
+The source workload (labels, access log) is the workload at the peer's IP only when the certificate is that
+workload's identity, and never through a gateway (``x-forwarded-network``); otherwise the source is the certificate
+identity, plus the peer's ``baggage`` once the stream is established. The upstream connection's source IP is the
+client's when the listener could be made transparent (IP_TRANSPARENT), so the workload sees who really called.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ztunnel import baggage, tls
@@ -31,6 +33,7 @@ from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.common import (
     BAGGAGE_HEADER,
     FORWARDED_HEADER,
+    X_FORWARDED_NETWORK,
     ProxyError,
     ProxyInputs,
     ResponseFlag,
@@ -41,9 +44,11 @@ from ztunnel.proxy.hbone.connection import HboneTransport
 from ztunnel.proxy.hbone.core import ConnectRequested, ErrorCode, HboneConnection, Settings
 from ztunnel.proxy.metrics import DerivedWorkload
 from ztunnel.proxy.outbound import connect_plain
-from ztunnel.proxy.relay import HboneStream
+from ztunnel.proxy.relay import HboneStream, PlainConnection
 from ztunnel.rbac import Connection
 from ztunnel.sockets import local_dst, peer_addr, set_accepted_options
+from ztunnel.state import ProxyState
+from ztunnel.state.service import Service
 from ztunnel.state.upstream import ServiceDescription
 from ztunnel.state.workload import IPAddress, NamespacedHostname, NetworkAddress, NetworkMode, Workload
 
@@ -52,6 +57,10 @@ log = logging.getLogger("ztunnel.proxy.inbound")
 # Authorization hook: (connection, destination workload) -> None if allowed, else the denial reason.
 # The proxy passes ``connection_manager.Authorizer`` (policy evaluation); there is deliberately no default.
 AuthorizeFn = Callable[[Connection, Workload], str | None]
+
+# The access log's error for a stream that went away (peer reset, connection lost) before the app answered.
+STREAM_GONE = "stream closed before the connection to the app was established"
+INTERRUPTED = "connection to the app interrupted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,82 +119,133 @@ def _quote(text: str) -> str:
 
 
 def build_inbound_request(
-    pi: ProxyInputs, method: str, authority: str, conn_dst: IPAddress, headers: dict[str, str]
+    pi: ProxyInputs, method: str, authority: str, conn_dst: IPAddress, headers: Mapping[str, str]
 ) -> InboundRequest:
-    """Upstream's ``build_inbound_request``: validate a CONNECT and find the upstream. Raises InboundRejected."""
+    """Upstream's ``build_inbound_request``: validate a CONNECT and find the upstream. Raises InboundRejected.
+
+    In upstream's order: the method and ``:authority`` (400), the local workload (503), the destination
+    (``validate_destination``, 400), then the upstream port (``find_inbound_upstream``, 503).
+    """
     if method != "CONNECT":
         raise InboundRejected(400, f"unsupported method {method!r}: HBONE requires CONNECT")
     try:
-        target = parse_authority(authority)
+        host, port = parse_authority(authority)
     except ValueError as e:
         raise InboundRejected(400, str(e)) from None
     local = pi.local.find()
     if local is None:
         raise InboundRejected(503, f"unknown local workload {pi.local.info}")
-    host, port = target
-    service: ServiceDescription | None = None
+    candidates: list[Service]
     if isinstance(host, str):
-        # A service hostname (double HBONE / waypoints): map the service port to the workload's target port.
+        # A service hostname (double HBONE, waypoints): map the service port to the workload's target port. The
+        # IP is the one dialled in any case; a hostname needs no destination check.
         svc = pi.state.find_service_by_hostname(host, local.namespace)
         if svc is None:
             raise InboundRejected(503, f"unknown service hostname {host}")
         ep = svc.endpoints.get(local.uid)
-        mapped = ep.port.get(port) if ep is not None else None
-        if not mapped:
-            mapped = svc.ports.get(port) or None
-        if not mapped:
-            raise InboundRejected(503, f"no port mapping for {svc.hostname}:{port} on workload {local.name}")
+        mapped = ep.port.get(port) if ep is not None else None  # the endpoint's own map first (named ports)
+        if mapped is None:
+            mapped = svc.ports.get(port, 0)
+            if not mapped:
+                raise InboundRejected(503, f"no port mapping for {svc.hostname}:{port} on workload {local.name}")
         port = mapped
-        service = ServiceDescription.of(svc)
-    elif host != conn_dst and not _may_redirect(pi, local, host):
-        raise InboundRejected(400, f"ip mismatch: {host} != {conn_dst}")
-    if local.application_tunnel is not None and local.application_tunnel.port:
-        port = local.application_tunnel.port
+        candidates = [svc]
+    else:
+        if host != conn_dst and not is_destination_this_waypoint(pi, local, host, conn_dst):
+            raise InboundRejected(400, f"ip mismatch: {host} != {conn_dst}")
+        candidates = services_of(pi.state, local)
+    # The port as resolved, before an app tunnel may replace it: a self-call must not hide behind the tunnel port.
     if port in pi.config.illegal_ports:
         raise InboundRejected(503, "attempted recursive call to ourselves")
-    if service is None:
-        service = _guess_service(pi, local, headers, port)
+    if local.application_tunnel is not None and local.application_tunnel.port:
+        port = local.application_tunnel.port
+    service = guess_inbound_service(candidates, parse_forwarded_host(headers.get(FORWARDED_HEADER, "")), port, local)
     # The target IP is always the one the client dialled (the pod's own address).
     return InboundRequest(upstream=(conn_dst, port), local=local, service=service)
 
 
-def _may_redirect(pi: ProxyInputs, local: Workload, target_ip: IPAddress) -> bool:
-    """The sandwich case: an app tunnel, or this workload is the waypoint of the HBONE target."""
+def is_destination_this_waypoint(pi: ProxyInputs, local: Workload, target: IPAddress, conn_dst: IPAddress) -> bool:
+    """Upstream's ``validate_destination`` for a target IP other than the one dialled (the "sandwich"): allowed
+    when the local workload has an app tunnel (the target goes in its PROXY header), or when the target (a workload
+    or service VIP) names a waypoint that is us: a waypoint service whose endpoints include this workload (whether
+    referenced by hostname or by VIP), or a waypoint workload whose IPs include the dialled IP."""
     if local.application_tunnel is not None:
         return True
-    svc = pi.state.services.get_best_by_vip(_naddr(pi, target_ip), None)
-    gw = svc.waypoint if svc is not None else None
-    if gw is None:
-        wl = pi.state.workloads.find_address(_naddr(pi, target_ip))
-        gw = wl.waypoint if wl is not None else None
+    found = _find_address(pi.state, NetworkAddress(pi.config.network, target))
+    gw = found.waypoint if found is not None else None
     if gw is None:
         return False
     dest = gw.destination
-    if isinstance(dest, NamespacedHostname):
-        wp = pi.state.services.get(dest)
-        return wp is not None and local.uid in wp.endpoints
-    return dest.address in local.workload_ips
+    waypoint = _find_address(pi.state, dest) if isinstance(dest, NetworkAddress) else _find_hostname(pi.state, dest)
+    if isinstance(waypoint, Service):
+        return local.uid in waypoint.endpoints
+    return waypoint is not None and conn_dst in waypoint.workload_ips
+
+
+def _find_address(state: ProxyState, addr: NetworkAddress) -> Workload | Service | None:
+    """A workload at ``addr``, else the service with that VIP (upstream ``find_address``: workloads first)."""
+    return state.workloads.find_address(addr) or state.services.get_best_by_vip(addr, None)
+
+
+def _find_hostname(state: ProxyState, name: NamespacedHostname) -> Workload | Service | None:
+    """The service ``namespace/hostname``, else a workload with that hostname (upstream ``find_hostname``)."""
+    svc = state.services.get(name)
+    if svc is not None:
+        return svc
+    return next((w for w in state.workloads if w.hostname == name.hostname and w.namespace == name.namespace), None)
+
+
+def services_of(state: ProxyState, workload: Workload) -> list[Service]:
+    """The services that select ``workload``, in its xDS order (upstream ``get_services_by_workload``)."""
+    found = (state.services.get(key) for key in workload.services)
+    return [svc for svc in found if svc is not None]
+
+
+def guess_inbound_service(
+    candidates: Sequence[Service], forwarded_host: str | None, port: int, dest: Workload
+) -> ServiceDescription | None:
+    """``destination_service`` of an inbound connection (upstream ``proxy.rs::guess_inbound_service``).
+
+    Only ``candidates`` (the services that select the destination, or the one a hostname authority named) can be
+    reported, so a peer cannot invent a label value: the one the ``forwarded`` host names, else the first whose
+    target port is ``port`` (the service's own number, or for a named port this endpoint's map), else None.
+    """
+    if forwarded_host is not None:
+        for svc in candidates:
+            if svc.hostname == forwarded_host:
+                return ServiceDescription.of(svc)
+    for svc in candidates:
+        ep = svc.endpoints.get(dest.uid)
+        for svc_port, target in svc.ports.items():
+            if target == port or (ep is not None and ep.port.get(svc_port) == port):
+                return ServiceDescription.of(svc)
+    return None
+
+
+def parse_forwarded_host(value: str) -> str | None:
+    """The ``host=`` of a ``forwarded`` header, as upstream's ``parse_forwarded_host``: the first parameter written
+    ``host=`` (exactly), its value without surrounding quotes; None if the header is not ASCII or the value empty."""
+    if not value.isascii():
+        return None
+    for raw in value.split(";"):
+        part = raw.strip()
+        if part.startswith("host="):
+            host = part[5:]
+            host = host[1:] if host.startswith('"') else host
+            host = host[:-1] if host.endswith('"') else host
+            return host or None
+    return None
+
+
+def from_gateway(headers: Mapping[str, str], network: str) -> bool:
+    """The request crossed a network gateway: ``x-forwarded-network`` names a network other than ours (compared
+    without case, as upstream). Its source IP is then the gateway's, not the client's."""
+    origin = headers.get(X_FORWARDED_NETWORK)
+    return origin is not None and origin.lower() != network.lower()
 
 
 def _naddr(pi: ProxyInputs, ip: IPAddress) -> NetworkAddress:
     return NetworkAddress(pi.config.network, ip)
-
-
-def _guess_service(pi: ProxyInputs, local: Workload, headers: dict[str, str], port: int) -> ServiceDescription | None:
-    """``destination_service`` for telemetry: the ``forwarded`` host, else a service of ours with that target port
-    (upstream ``proxy.rs::guess_inbound_service``)."""
-    fwd = headers.get(FORWARDED_HEADER, "")
-    for part in fwd.split(";"):
-        k, _, v = part.strip().partition("=")
-        if k.lower() == "host" and v:
-            host = v.strip('"')
-            svc = pi.state.find_service_by_hostname(host, local.namespace)
-            return ServiceDescription.of(svc) if svc is not None else ServiceDescription(host, "", "")
-    for key in local.services:
-        svc = pi.state.services.get(key)
-        if svc is not None and port in svc.ports.values():
-            return ServiceDescription.of(svc)
-    return None
 
 
 class Inbound:
@@ -313,73 +373,159 @@ class Inbound:
             src_identity=identity,
             mtls=True,
         )
-        record.src_workload = pi.state.workloads.find_address(_naddr(pi, src[0]))
-        # As upstream: the peer's mTLS identity always, plus what its baggage says when enhanced baggage is on;
-        # an xDS-known source workload (by IP) overrides the workload fields, never the principal.
-        bag = (
-            baggage.parse(ev.headers.get(BAGGAGE_HEADER, ""))
-            if pi.config.enable_response_baggage
-            else baggage.Baggage()
+        # Until the stream is up, the source is what its certificate proves. Nothing the peer wrote (baggage)
+        # labels a refused stream: each invented value would be a metric series of its own (stricter than upstream).
+        record.derived_source = DerivedWorkload(identity=identity)
+        # Through a gateway the source IP is the gateway's; otherwise it is the source workload's only if the
+        # certificate is that workload's identity (never attribute the IP's workload to someone else).
+        ip_workload = (
+            None if from_gateway(ev.headers, pi.config.network) else pi.state.workloads.find_address(_naddr(pi, src[0]))
         )
-        record.derived_source = DerivedWorkload.from_baggage(bag, identity)
+        if ip_workload is not None and ip_workload.identity == identity:
+            record.src_workload = ip_workload
         try:
+            if pi.on_demand is not None:
+                await self._fetch_target(ev.authority, conn_dst[0])
             req = build_inbound_request(pi, ev.method, ev.authority, conn_dst[0], ev.headers)
             record.dst_workload = req.local
             record.dst_identity = req.local.identity
             record.dst_service = req.service
-            record.dst = conn_dst
-            rbac_conn = Connection(src[0], src[1], req.upstream[0], req.upstream[1], identity, pi.config.network)
-            record.rbac = rbac_conn
-            _check_source_identity(record.src_workload, identity, src[0])
-            denied = self.authorize(rbac_conn, req.local)
-            if denied is not None:
-                raise InboundRejected(401, denied, ResponseFlag.DENY)
-            spoof = src[0] if self.transparent and src[0] != req.upstream[0] else None
-            try:
-                upstream = await connect_plain(pi, req.upstream, bind_src=spoof, transparent=self.transparent)
-            except ProxyError as e:
-                raise InboundRejected(503, str(e)) from None
+            if ip_workload is not None and record.src_workload is None and pi.config.verify_source_identity:
+                _check_source_identity(ip_workload, identity, src[0])
         except InboundRejected as e:
-            conn.core.send_response(ev.stream_id, e.status, end_stream=True)
-            conn.detach(ev.stream_id)
-            conn.flush()
-            pi.connections.register(record)
-            reason = _deny_message(e.args[0]) if e.flag is ResponseFlag.DENY else e.args[0]
-            pi.connections.release(record, e.flag, reason)
+            self._reject(conn, stream, ev, record, e)
             return
+        record.rbac = Connection(src[0], src[1], req.upstream[0], req.upstream[1], identity, pi.config.network)
+        # Tracked from before the policy check until it closes (upstream's assert_rbac registers first): a policy
+        # that arrives while the app is being connected to reaches this stream as well.
+        pi.connections.register(record, established=False)
+        try:
+            denied = self.authorize(record.rbac, req.local)
+            if denied is not None:
+                raise InboundRejected(401, _deny_message(denied), ResponseFlag.DENY)
+            upstream = await self._connect(record, req.upstream, src[0])
+        except InboundRejected as e:
+            self._reject(conn, stream, ev, record, e)
+            return
+        except asyncio.CancelledError:
+            # The peer reset the stream or lost the connection first (its setup task is cancelled), or shutdown.
+            pi.connections.release(record, ResponseFlag.CONNECT, stream.error or STREAM_GONE)
+            raise
         if stream.done or conn.closed:
             upstream.close()
+            pi.connections.release(record, ResponseFlag.CONNECT, stream.error or STREAM_GONE)
             return
+        if pi.config.enable_response_baggage:
+            # Established: what the peer's baggage says labels it too (upstream's derived source).
+            bag = baggage.parse(ev.headers.get(BAGGAGE_HEADER, ""))
+            record.derived_source = DerivedWorkload.from_baggage(bag, identity)
+        record.bytes_sent = lambda: stream.bytes_from_plain
+        record.bytes_recv = lambda: stream.bytes_to_plain
+        record.closer = lambda reason: stream.reset(ErrorCode.CANCEL)
+        pi.connections.established(record)
         headers: list[tuple[str, str]] = []
         if pi.config.enable_response_baggage:
             headers.append((BAGGAGE_HEADER, baggage.workload_baggage(req.local)))
         conn.core.send_response(ev.stream_id, 200, headers)
         conn.flush()
-        record.bytes_sent = lambda: stream.bytes_from_plain
-        record.bytes_recv = lambda: stream.bytes_to_plain
-        record.closer = lambda reason: stream.reset(ErrorCode.CANCEL)
-        pi.connections.register(record)
         stream._on_done = lambda s: pi.connections.release(record, ResponseFlag.NONE, s.error)
         stream.attach(upstream)
 
+    async def _connect(
+        self, record: ConnectionRecord, dst: tuple[IPAddress, int], client_ip: IPAddress
+    ) -> PlainConnection:
+        """Connect to the app (503 if it fails); a policy that denies the stream meanwhile makes it a 401."""
+        spoof = client_ip if self.transparent and client_ip != dst[0] else None
+        try:
+            upstream = await connect_interruptible(self.pi, record, dst, spoof, self.transparent)
+        except ProxyError as e:
+            raise InboundRejected(503, str(e)) from None
+        if upstream is None:
+            flag, reason = record.forced or (ResponseFlag.CONNECT, INTERRUPTED)
+            raise InboundRejected(401 if flag is ResponseFlag.DENY else 503, reason, flag)
+        return upstream
 
-def _check_source_identity(source: Workload | None, identity: Identity | None, ip: IPAddress) -> None:
-    """A peer whose source IP is a known workload must present that workload's identity.
+    async def _fetch_target(self, authority: str, conn_dst: IPAddress) -> None:
+        """On-demand xDS: a target IP other than the dialled one is looked up before the destination check (upstream
+        fetches it when the state does not know it)."""
+        try:
+            host, _ = parse_authority(authority)
+        except ValueError:
+            return  # refused below, with the reason
+        if not isinstance(host, str) and host != conn_dst:
+            await self.pi.fetch_address(_naddr(self.pi, host))
 
-    Stricter than upstream, which trusts the certificate alone: a pod presenting another pod's certificate (a
-    compromised node replaying a certificate it holds) is refused. Only ordinary pod-network workloads are checked:
-    a host-network workload shares its node's IP with everything else on the node. The source IP is the pod's own
-    in in-pod mode (the outbound socket lives in the pod's network namespace, and upstream never rewrites it).
+    def _reject(
+        self,
+        conn: HboneTransport,
+        stream: HboneStream,
+        ev: ConnectRequested,
+        record: ConnectionRecord,
+        e: InboundRejected,
+    ) -> None:
+        """Answer ``e.status`` and end the stream; the access log and metrics report it (never established)."""
+        if not stream.done and not conn.closed:
+            conn.core.send_response(ev.stream_id, e.status, end_stream=True)
+            conn.detach(ev.stream_id)
+            conn.flush()
+        pi = self.pi
+        if not record.id:
+            pi.connections.register(record, established=False)
+        pi.connections.release(record, e.flag, str(e))
+
+
+async def connect_interruptible(
+    pi: ProxyInputs,
+    record: ConnectionRecord,
+    dst: tuple[IPAddress, int],
+    bind_src: IPAddress | None,
+    transparent: bool,
+) -> PlainConnection | None:
+    """``connect_plain`` for a connection already tracked (``record``), which the connection manager can interrupt
+    through ``record.closer`` (a policy change that denies it, a forced drain): then None, with the half-open socket
+    closed, and ``record.forced`` says why. Raises ProxyError when the connect fails."""
+    upstream: PlainConnection | None = None
+    try:
+        async with asyncio.timeout(None) as held:
+            record.closer = _interrupter(held)
+            upstream = await connect_plain(pi, dst, bind_src=bind_src, transparent=transparent)
+    except TimeoutError:
+        pass  # our interruption (connect_plain reports its own timeout as a ProxyError); it closed its socket
+    finally:
+        record.closer = None
+    if record.forced is not None and upstream is not None:
+        upstream.close()  # interrupted just as the connect completed
+        return None
+    return upstream
+
+
+def _interrupter(held: asyncio.Timeout) -> Callable[[str], None]:
+    """A ``closer`` for a connection still connecting: ends the ``held`` block at once, as a timeout."""
+
+    def interrupt(reason: str) -> None:
+        if not held.expired():
+            held.reschedule(0)  # in the past: fires on the next loop iteration
+
+    return interrupt
+
+
+def _check_source_identity(source: Workload, identity: Identity | None, ip: IPAddress) -> None:
+    """``ZTUNNEL_VERIFY_SOURCE_IDENTITY=true``: a peer on a known workload's IP must present that workload's identity.
+
+    Stricter than upstream, which trusts the certificate alone (and which this project follows by default, then
+    without attributing the IP's workload to the peer): a pod presenting another pod's certificate (a compromised
+    node replaying a certificate it holds) is refused. Only ordinary pod-network workloads are checked: a
+    host-network workload shares its node's IP with everything else on the node. Not called for requests through a
+    gateway (``x-forwarded-network``), whose source IP is the gateway's.
     """
-    if source is None or identity is None or source.network_mode is not NetworkMode.STANDARD:
+    if source.network_mode is not NetworkMode.STANDARD:
         return
-    if source.identity != identity:
-        raise InboundRejected(
-            401,
-            f"identity mismatch: peer certificate is {identity} but source {ip} is workload "
-            f"{source.namespace}/{source.name} ({source.identity})",
-            ResponseFlag.IDENTITY_ERROR,
-        )
+    raise InboundRejected(
+        401,
+        f"identity mismatch: peer certificate is {identity} but source {ip} is workload "
+        f"{source.namespace}/{source.name} ({source.identity})",
+        ResponseFlag.IDENTITY_ERROR,
+    )
 
 
 def _deny_message(reason: str) -> str:

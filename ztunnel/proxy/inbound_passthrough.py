@@ -1,8 +1,10 @@
 """Inbound plaintext (port 15006): captured non-HBONE connections to the pod, policy-checked and passed through.
 
 Upstream ``proxy/inbound_passthrough.rs``: the original destination comes from ``SO_ORIGINAL_DST``; a destination
-port that is one of ztunnel's own is refused; the local workload must be known; policy sees no identity (the
-traffic is plaintext); a denial simply closes the connection. Metrics report ``connection_security_policy=unknown``.
+port that is one of ztunnel's own is refused; the local workload must be known (waiting up to 5 s for xDS, as
+upstream); policy sees no identity (the traffic is plaintext); a denial simply closes the connection, also when the
+denying policy arrives while the app is being connected to. Metrics report ``connection_security_policy=unknown``
+and the destination service guessed from the destination port (the workload's services, by target port).
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ import socket
 
 from ztunnel.proxy.common import ProxyError, ProxyInputs, ResponseFlag
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
-from ztunnel.proxy.inbound import AuthorizeFn
-from ztunnel.proxy.outbound import connect_plain
+from ztunnel.proxy.inbound import INTERRUPTED, AuthorizeFn, connect_interruptible, guess_inbound_service, services_of
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.rbac import Connection
 from ztunnel.sockets import local_dst, original_dst, peer_addr, set_accepted_options
@@ -68,10 +69,12 @@ class InboundPassthrough:
             plain.close()
             log_failed(Direction.INBOUND, src, dst, "attempted recursive call to ourselves")
             return
-        local = pi.local.find()
-        if local is None:
+        try:
+            # As upstream, wait (up to 5 s) for the pod's workload to show up in xDS: it may lag the pod.
+            local = await pi.local.get()
+        except ProxyError as e:
             plain.close()
-            log_failed(Direction.INBOUND, src, dst, f"unknown local workload {pi.local.info}")
+            log_failed(Direction.INBOUND, src, dst, str(e))
             return
         record = ConnectionRecord(
             direction=Direction.INBOUND,
@@ -79,21 +82,32 @@ class InboundPassthrough:
             dst=dst,
             src_workload=pi.state.workloads.find_address(NetworkAddress(pi.config.network, src[0])),
             dst_workload=local,
+            dst_service=guess_inbound_service(services_of(pi.state, local), None, dst[1], local),
         )
         record.rbac = Connection(src[0], src[1], dst[0], dst[1], None, pi.config.network)
+        # Tracked from before the policy check (upstream's assert_rbac): a policy that arrives while the app is being
+        # connected to reaches this connection too.
+        pi.connections.register(record, established=False)
         denied = self.authorize(record.rbac, local)
         if denied is not None:
             plain.close()
-            pi.connections.register(record)
             pi.connections.release(record, ResponseFlag.DENY, f"connection closed due to policy rejection: {denied}")
             return
+        spoof = src[0] if self.transparent and src[0] != dst[0] else None
         try:
-            spoof = src[0] if self.transparent and src[0] != dst[0] else None
-            upstream = await connect_plain(pi, dst, bind_src=spoof, transparent=self.transparent)
+            upstream = await connect_interruptible(pi, record, dst, spoof, self.transparent)
         except ProxyError as e:
             plain.close()
-            pi.connections.register(record)
             pi.connections.release(record, ResponseFlag.CONNECT, str(e))
+            return
+        except asyncio.CancelledError:
+            plain.close()
+            pi.connections.release(record, ResponseFlag.CONNECT, "closed before the connection to the app")
+            raise
+        if upstream is None:
+            # Denied (or drained) while connecting: never let it through. The log reports record.forced.
+            plain.close()
+            pi.connections.release(record, ResponseFlag.CONNECT, INTERRUPTED)
             return
         record.bytes_sent = lambda: upstream.bytes_read
         record.bytes_recv = lambda: upstream.bytes_written
@@ -101,5 +115,5 @@ class InboundPassthrough:
             plain, upstream, on_done=lambda r: pi.connections.release(record, ResponseFlag.NONE, r.error)
         )
         record.closer = lambda reason: relay.reset()
-        pi.connections.register(record)
+        pi.connections.established(record)
         relay.start()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import os
 import socket
 import ssl
@@ -118,6 +119,50 @@ class EchoServer:
             self.server.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.server.wait_closed(), 2)
+
+
+class HeldListener:
+    """A TCP listener whose accept queue is full, so a connect to it hangs: the kernel drops its SYNs (it stays in
+    SYN_SENT and retransmits after 1 s, 3 s, ...) until :meth:`release` makes room. Holds an app's connect open
+    for as long as a test needs, with no timing involved."""
+
+    def __init__(self, host: str) -> None:
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.sock.bind((host, 0))
+        self.sock.listen(0)  # Linux queues backlog + 1 = one connection
+        self.address: tuple[str, int] = self.sock.getsockname()[:2]
+        self.filler = socket.create_connection(self.address)  # completes at once, and fills the queue
+
+    def syn_sent(self) -> int:
+        """How many sockets on this host are connecting to us and still waiting (state SYN_SENT)."""
+        ip = ipaddress.ip_address(self.address[0])
+        if ip.version == 4:
+            path, addr = "/proc/net/tcp", f"{int.from_bytes(ip.packed, 'little'):08X}"
+        else:
+            path = "/proc/net/tcp6"
+            addr = "".join(f"{int.from_bytes(ip.packed[i : i + 4], 'little'):08X}" for i in range(0, 16, 4))
+        remote = f"{addr}:{self.address[1]:04X}"
+        with open(path) as f:
+            return sum(1 for line in f if line.split()[2:4] == [remote, "02"])
+
+    def release(self) -> socket.socket:
+        """Accept the filler: the next retransmitted SYN gets in. Returns the filler's server side."""
+        conn, _ = self.sock.accept()
+        return conn
+
+    def accept_nowait(self) -> socket.socket | None:
+        """A queued connection, or None when none is waiting."""
+        self.sock.setblocking(False)
+        try:
+            return self.sock.accept()[0]
+        except BlockingIOError:
+            return None
+        finally:
+            self.sock.setblocking(True)
+
+    def close(self) -> None:
+        self.filler.close()
+        self.sock.close()
 
 
 async def socks5_connect(
