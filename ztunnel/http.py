@@ -215,6 +215,8 @@ class HttpServer:
             self.addresses.append((str(host), int(port)))
 
     def _accept(self) -> asyncio.Protocol:
+        if self._runner is None:  # stopping
+            return _Refused()
         if self.limits.max_connections is None:
             # Read per accept (one getrlimit): the limit can change at run time (prlimit), as FdHeadroom notes.
             self.max_connections = default_max_connections()
