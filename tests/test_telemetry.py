@@ -123,6 +123,9 @@ def access_line(fmt_json: bool, **kw: object) -> str:
 
 
 def test_plain_access_line_prints_addresses_bare_as_upstream() -> None:
+    """Upstream's build (62d8265, dedicated mode, examples/localhost.yaml) wrote, through its SOCKS5 to its own 15008:
+    ``src.addr=127.0.0.1:57238 src.workload="local" ... dst.addr=127.0.0.1:15008 dst.hbone_addr=127.0.0.1:8080
+    ... direction="outbound" bytes_sent=4 bytes_recv=4 duration="25ms"``."""
     fields = access_line(False).split("\t")[4]
     # upstream: src.addr/dst.addr are `%` (Display), dst.hbone_addr `display(..)`: bare; &str and String fields
     # (direction, duration, error) Debug: quoted; byte counts u64: bare.
