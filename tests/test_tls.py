@@ -19,6 +19,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from tests.identity.certs import build_intermediate, build_leaf
@@ -27,6 +28,7 @@ from ztunnel.tls import (
     TLS12_CIPHERS,
     TLS13_CIPHERSUITES,
     AlpnMismatch,
+    CaUsedAsEndEntity,
     HandshakeFailed,
     IdentityMismatch,
     MissingPeerCertificate,
@@ -443,6 +445,47 @@ async def test_alpn_other_than_h2_is_rejected(
     assert isinstance(out.server_error, AlpnMismatch)
     assert isinstance(out.client_error, AlpnMismatch)
     assert "None" in str(out.server_error)
+
+
+# webpki's rule for the end entity (verify_cert.rs check_basic_constraints, Role::EndEntity): basicConstraints
+# cA=TRUE is refused (CaUsedAsEndEntity); an absent extension reads as cA=FALSE and is accepted, with or without a
+# pathLenConstraint. OpenSSL accepts all of these, so the check runs after the handshake.
+CA_LEAF = x509.BasicConstraints(ca=True, path_length=None)
+ACCEPTED_LEAVES = {
+    "CA:FALSE": x509.BasicConstraints(ca=False, path_length=None),
+    "no basicConstraints": None,
+}
+
+
+async def test_client_certificate_with_ca_true_is_refused(ca: LocalCA, server_cert: WorkloadCertificate) -> None:
+    client = build_leaf(ca, uris=[str(CLIENT_ID)], basic_constraints=CA_LEAF)
+    out = await connect(server_context(server_cert), client_context(client))
+    assert isinstance(out.server_error, CaUsedAsEndEntity), repr(out.server_error)
+    assert isinstance(out.server_error, HandshakeFailed)  # a TLS failure (TLS_FAILURE), as webpki's is
+    assert "CA certificate" in str(out.server_error) and "CaUsedAsEndEntity" in str(out.server_error)
+    assert out.server_identity is None
+
+
+async def test_server_certificate_with_ca_true_is_refused(ca: LocalCA, client_cert: WorkloadCertificate) -> None:
+    server = build_leaf(ca, uris=[str(SERVER_ID)], basic_constraints=CA_LEAF)
+    out = await connect(server_context(server), client_context(client_cert))
+    assert isinstance(out.client_error, CaUsedAsEndEntity), repr(out.client_error)
+    assert out.client_identity is None and out.client_received == b""
+
+
+@pytest.mark.parametrize("kind", list(ACCEPTED_LEAVES))
+async def test_leaf_without_ca_flag_is_accepted_both_ways(
+    ca: LocalCA, server_cert: WorkloadCertificate, client_cert: WorkloadCertificate, kind: str
+) -> None:
+    constraints = ACCEPTED_LEAVES[kind]
+    client = build_leaf(ca, uris=[str(CLIENT_ID)], basic_constraints=constraints)
+    out = await connect(server_context(server_cert), client_context(client))
+    out.assert_ok()
+    assert out.server_identity == CLIENT_ID
+    server = build_leaf(ca, uris=[str(SERVER_ID)], basic_constraints=constraints)
+    out = await connect(server_context(server), client_context(client_cert))
+    out.assert_ok()
+    assert out.client_identity == SERVER_ID
 
 
 # --- versions and cipher suites -----------------------------------------------------------------------------------

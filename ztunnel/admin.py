@@ -331,7 +331,7 @@ class AdminServer:
         app.router.add_get("/connections", connections)
         app.router.add_route("*", "/logging", logging_)
         app.router.add_route("*", "/quitquitquit", quit_)
-        self._http = HttpServer(app)
+        self._http = HttpServer(app, name="admin")
         await self._http.start(addr)
         self.addresses = self._http.addresses
 

@@ -244,7 +244,7 @@ class StatsServer:
         app = web.Application()
         app.router.add_get("/metrics", metrics)
         app.router.add_get("/stats/prometheus", metrics)
-        self._http = HttpServer(app)
+        self._http = HttpServer(app, name="stats")
         await self._http.start(addr)
 
     async def stop(self) -> None:

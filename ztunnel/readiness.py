@@ -88,7 +88,7 @@ class ReadinessServer:
         app = web.Application()
         app.router.add_route("*", "/healthz/ready", ready)
         app.router.add_route("*", "/{path:.*}", not_found)
-        self._http = HttpServer(app)
+        self._http = HttpServer(app, name="readiness")
         await self._http.start(addr)
 
     async def stop(self) -> None:

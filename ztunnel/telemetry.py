@@ -14,6 +14,7 @@ import datetime as _dt
 import json
 import logging
 import sys
+import unicodedata
 from collections.abc import Mapping
 from typing import Any, TextIO
 
@@ -75,29 +76,152 @@ def _timestamp(created: float) -> str:
     return _dt.datetime.fromtimestamp(created, _dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+# -- untrusted text in log lines ---------------------------------------------------------------------------------
+#
+# Field values and messages quote what peers sent (a 40 KB ``:authority``, baggage, h2 error text holding the
+# offending header bytes, SNI ...). Two rules keep such text from hurting the log:
+#
+# * Length. Every field value is cut at MAX_FIELD_CHARS characters and every message at MAX_MESSAGE_CHARS, with a
+#   marker saying how many characters were cut (``...<cut 39000 chars>``). 1,024 holds any legitimate value: a
+#   SPIFFE identity is at most 9 + 253 + 4 + 63 + 4 + 253 = 586 characters (trust domain and service account are
+#   DNS subdomains, the namespace a DNS label), a hostname 253 plus a port; a message may describe several of them.
+#   So a 40 KB authority now makes a ~1 KB field, not a 100 KB line.
+# * Escaping. Control and format characters (Unicode Cc, Cf: CR/LF, ESC, BIDI overrides U+202A-U+202E and
+#   isolates U+2066-U+2069, U+200E/F marks ...), separators other than the space (Zl, Zp, Zs) and unassigned, private
+#   or surrogate code points never reach the output raw, in either format: in plain lines a string field is written
+#   exactly as upstream's tracing writes it, Rust's ``{:?}`` of a ``str`` (quoted; ``\\t \\r \\n \\0 \\" \\\\``;
+#   ``\\u{202e}`` for the rest; Rust's "printable" set is the one ``str.isprintable`` implements, and its
+#   grapheme-extend escape is approximated by categories Mn and Me); in JSON lines they become ``\\uXXXX`` escapes
+#   (upstream's serde_json leaves U+202E raw; JSON readers decode the escape, so only the raw line changes).
+
+MAX_FIELD_CHARS = 1024
+MAX_MESSAGE_CHARS = 4096
+
+_DEBUG_ESCAPES = {"\t": "\\t", "\r": "\\r", "\n": "\\n", "\0": "\\0", '"': '\\"', "\\": "\\\\"}
+
+
+class Display:
+    """A field value written bare in plain lines, like tracing's ``%value`` (Display) fields: upstream writes
+    addresses (``src.addr=10.0.0.1:1234``) and the HBONE authority this way, and strings quoted. A value that is not
+    one plain token (it holds a space, a quote, a backslash or a character that is escaped) is quoted after all, so
+    a peer cannot forge ``k=v`` pairs through it. JSON lines hold it as a string either way."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __repr__(self) -> str:
+        return f"Display({self.text!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Display) and other.text == self.text
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+
+def display(text: str) -> Display:
+    """Mark ``text`` to be written bare in plain lines (see :class:`Display`)."""
+    return Display(text)
+
+
+def _cut_marker(cut: int) -> str:
+    return f"...<cut {cut} chars>"
+
+
+def _escape_char(c: str) -> str:
+    esc = _DEBUG_ESCAPES.get(c)
+    if esc is not None:
+        return esc
+    if c.isprintable() and (c.isascii() or unicodedata.category(c) not in ("Mn", "Me")):
+        return c
+    return f"\\u{{{ord(c):x}}}"
+
+
+def _plain_text(text: str, limit: int) -> tuple[str, bool]:
+    """``text`` escaped as Rust's ``{:?}`` escapes a ``str`` (without the quotes), at most ``limit`` characters of
+    output plus a cut marker; and whether it was a plain token (nothing escaped, no space) that may go bare."""
+    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+        if len(text) <= limit:
+            return text, " " not in text
+        return text[:limit] + _cut_marker(len(text) - limit), False
+    # Slow path (non-ASCII or something to escape): escapes grow the text up to 10x, so the budget is on the output.
+    out: list[str] = []
+    used = 0
+    for i, c in enumerate(text):
+        esc = _escape_char(c)
+        used += len(esc)
+        if used > limit:
+            out.append(_cut_marker(len(text) - i))
+            return "".join(out), False
+        out.append(esc)
+    escaped = "".join(out)
+    return escaped, escaped == text and " " not in text
+
+
 def _plain_value(value: Any) -> str:
-    # Upstream prints strings with Debug formatting (quoted) and addresses/numbers bare.
+    # As upstream's plain format: strings Debug-formatted (quoted, escaped), numbers and booleans bare (Rust's
+    # ``true``/``false``), Display values bare when they are one plain token.
     if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
+        return f'"{_plain_text(value, MAX_FIELD_CHARS)[0]}"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
     if value is None:
         return "None"
-    return str(value)
+    text, bare = _plain_text(str(value), MAX_FIELD_CHARS)
+    return text if bare else f'"{text}"'
 
 
-# Messages quote what peers sent (h2's ProtocolError text holds the illegal header byte, authorities, SNI ...); a
-# raw CR/LF there would let a peer forge a log line, so the plain format escapes them as Rust's Debug would.
-_LINE_BREAKS = str.maketrans({"\n": "\\n", "\r": "\\r"})
+def _plain_message(message: str) -> str:
+    # Upstream writes the message bare (Display); here it is escaped as a string would be, minus the quote and
+    # backslash escapes (a message has no quotes around it to break out of), and cut at MAX_MESSAGE_CHARS.
+    if message.isascii() and message.isprintable() and len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    out: list[str] = []
+    used = 0
+    for i, c in enumerate(message):
+        esc = c if c in ('"', "\\") else _escape_char(c)
+        used += len(esc)
+        if used > MAX_MESSAGE_CHARS:
+            out.append(_cut_marker(len(message) - i))
+            break
+        out.append(esc)
+    return "".join(out)
+
+
+def _bounded(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + _cut_marker(len(text) - limit)
+
+
+def _json_escape_nonprintable(line: str) -> str:
+    """``json.dumps`` escapes C0 controls, ``"`` and ``\\`` only: escape every other character ``str.isprintable``
+    refuses (DEL, C1, BIDI controls, U+2028 ...) as ``\\uXXXX`` (a surrogate pair above U+FFFF)."""
+    out: list[str] = []
+    for c in line:
+        if c.isprintable():
+            out.append(c)
+            continue
+        cp = ord(c)
+        if cp > 0xFFFF:
+            cp -= 0x10000
+            out.append(f"\\u{0xD800 + (cp >> 10):04x}\\u{0xDC00 + (cp & 0x3FF):04x}")
+        else:
+            out.append(f"\\u{cp:04x}")
+    return "".join(out)
 
 
 class PlainFormatter(logging.Formatter):
-    """``time\\tlevel\\tscope\\tmessage\\tk=v ...``."""
+    """``time\\tlevel\\tscope\\tmessage\\tk=v ...``; untrusted text bounded and escaped (see above)."""
 
     def format(self, record: logging.LogRecord) -> str:
         line = f"{_timestamp(record.created)}\t{_NAMES.get(record.levelno, record.levelname.lower())}\t"
-        message = record.getMessage()
-        if "\n" in message or "\r" in message:
-            message = message.translate(_LINE_BREAKS)
-        line += f"{_scope(record.name)}\t{message}"
+        line += f"{_scope(record.name)}\t{_plain_message(record.getMessage())}"
         fields: Mapping[str, Any] | None = getattr(record, "fields", None)
         if fields:
             line += "\t" + " ".join(f"{k}={_plain_value(v)}" for k, v in fields.items())
@@ -107,22 +231,29 @@ class PlainFormatter(logging.Formatter):
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object a line: ``level``, ``time``, ``scope``, ``message``, then the fields."""
+    """One JSON object a line: ``level``, ``time``, ``scope``, ``message``, then the fields; untrusted text bounded
+    and escaped (see above)."""
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "level": _NAMES.get(record.levelno, record.levelname.lower()),
             "time": _timestamp(record.created),
             "scope": _scope(record.name),
-            "message": record.getMessage(),
+            "message": _bounded(record.getMessage(), MAX_MESSAGE_CHARS),
         }
         fields: Mapping[str, Any] | None = getattr(record, "fields", None)
         if fields:
             for k, v in fields.items():
-                out[k] = v if isinstance(v, str | int | float | bool) or v is None else str(v)
+                if isinstance(v, str):
+                    out[k] = _bounded(v, MAX_FIELD_CHARS)
+                elif isinstance(v, int | float | bool) or v is None:
+                    out[k] = v
+                else:
+                    out[k] = _bounded(str(v), MAX_FIELD_CHARS)
         if record.exc_info and record.levelno >= logging.ERROR:
             out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, ensure_ascii=False)
+        line = json.dumps(out, ensure_ascii=False)
+        return line if line.isprintable() else _json_escape_nonprintable(line)
 
 
 class _LogState:
@@ -205,10 +336,14 @@ def get_logger(module: str) -> logging.Logger:
 
 
 __all__ = [
+    "MAX_FIELD_CHARS",
+    "MAX_MESSAGE_CHARS",
     "TRACE",
+    "Display",
     "JsonFormatter",
     "PlainFormatter",
     "current_level",
+    "display",
     "get_logger",
     "log",
     "parse_log_filter",

@@ -14,7 +14,9 @@ Policy (upstream ``tls/lib.rs``, ``tls/certificate.rs``, ``tls/workload.rs``):
   verifies a client, serverAuth when the client verifies a server (each only if the peer has an EKU
   extension, as webpki's "required if present").
 
-OpenSSL cannot run upstream's SAN checks inside the handshake, so they run right after it:
+OpenSSL cannot run upstream's SAN checks, nor webpki's refusal of a CA certificate as the peer's leaf
+(basicConstraints CA:TRUE; a leaf without basicConstraints is accepted, as webpki does), inside the handshake, so
+they run right after it:
 :func:`verify_client_identity` (server side, upstream's ``TrustDomainVerifier``) and
 :func:`verify_server_identity` (client side, upstream's ``IdentityVerifier``). A connection must be closed
 without exchanging data if either raises. :func:`handshake_error` turns an ``ssl`` handshake exception into a
@@ -40,6 +42,7 @@ __all__ = [
     "TLS12_CIPHERS",
     "TLS13_CIPHERSUITES",
     "AlpnMismatch",
+    "CaUsedAsEndEntity",
     "HandshakeFailed",
     "IdentityMismatch",
     "MissingPeerCertificate",
@@ -84,6 +87,12 @@ class TlsConfigError(TlsError):
 
 class HandshakeFailed(TlsError):
     """The TLS handshake failed; built by :func:`handshake_error` from the ``ssl`` exception."""
+
+
+class CaUsedAsEndEntity(HandshakeFailed):
+    """The peer's leaf certificate is a CA certificate (basicConstraints cA=TRUE): webpki's ``CaUsedAsEndEntity``.
+
+    A handshake failure (flag ``TLS_FAILURE``), as upstream, where webpki refuses it inside the handshake."""
 
 
 class MissingPeerCertificate(TlsError):
@@ -257,9 +266,32 @@ def _peer_leaf(ssl_obj: PeerSsl) -> x509.Certificate:
     return x509.load_der_x509_certificate(der)
 
 
-def peer_identities(ssl_obj: PeerSsl) -> list[Identity]:
-    """All Istio identities in the peer leaf's URI SANs, in certificate order (first = the peer identity)."""
-    return identities_from_cert(_peer_leaf(ssl_obj))
+def _check_end_entity(leaf: x509.Certificate, role: str) -> None:
+    """webpki's end-entity rule (``verify_cert.rs::check_basic_constraints`` with ``Role::EndEntity``): a leaf whose
+    basicConstraints says cA=TRUE is refused (``CaUsedAsEndEntity``). A leaf *without* basicConstraints reads as
+    cA=FALSE and is accepted, as is a pathLenConstraint on a non-CA leaf; so "or without basicConstraints" would be
+    stricter than upstream, and is not done. OpenSSL accepts a CA leaf, hence this check after the handshake."""
+    try:
+        constraints = leaf.extensions.get_extension_for_class(x509.BasicConstraints).value
+    except x509.ExtensionNotFound:
+        return
+    except ValueError as e:  # a malformed extension: webpki fails the handshake on it too (BadDer)
+        raise HandshakeFailed(f"TLS handshake failed: {role} certificate has malformed extensions ({e})") from None
+    if constraints.ca:
+        raise CaUsedAsEndEntity(
+            f"TLS handshake failed: the {role} certificate is a CA certificate (basicConstraints CA:TRUE) used as an "
+            "end entity (CaUsedAsEndEntity); workload certificates must be issued with CA:FALSE: check the CA that "
+            "issued it"
+        )
+
+
+def peer_identities(ssl_obj: PeerSsl, role: str = "peer") -> list[Identity]:
+    """All Istio identities in the peer leaf's URI SANs, in certificate order (first = the peer identity).
+
+    Raises :class:`CaUsedAsEndEntity` when the leaf is a CA certificate (webpki refuses it as an end entity)."""
+    leaf = _peer_leaf(ssl_obj)
+    _check_end_entity(leaf, role)
+    return identities_from_cert(leaf)
 
 
 def _check_alpn(ssl_obj: PeerSsl) -> None:
@@ -290,7 +322,7 @@ def verify_client_identity(ssl_obj: PeerSsl, local_trust_domain: str) -> Identit
     The returned identity is the first one in the certificate, which is what policy and telemetry use.
     """
     _check_alpn(ssl_obj)
-    ids = _single_identity(peer_identities(ssl_obj), "client")
+    ids = _single_identity(peer_identities(ssl_obj, "client"), "client")
     if not any(i.trust_domain == local_trust_domain for i in ids):
         got = ", ".join(map(str, ids)) or "no SPIFFE identity"
         raise TrustDomainMismatch(
@@ -307,7 +339,7 @@ def verify_server_identity(ssl_obj: PeerSsl, expected: Collection[Identity]) -> 
     returned identity is the first one in the certificate, which is what policy and telemetry use.
     """
     _check_alpn(ssl_obj)
-    ids = _single_identity(peer_identities(ssl_obj), "server")
+    ids = _single_identity(peer_identities(ssl_obj, "server"), "server")
     if not any(i in expected for i in ids):
         got = ", ".join(map(str, ids)) or "no SPIFFE identity"
         want = ", ".join(sorted(map(str, expected))) or "nothing"

@@ -17,6 +17,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from ztunnel.identity import LocalCA, WorkloadCertificate
 
 TD = "cluster.local"
+NOT_A_CA = x509.BasicConstraints(ca=False, path_length=None)
 
 
 def build_leaf(
@@ -26,8 +27,10 @@ def build_leaf(
     dns: Sequence[str] = (),
     eku: Sequence[x509.ObjectIdentifier] | None = (ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH),
     ttl: timedelta = timedelta(hours=1),
+    basic_constraints: x509.BasicConstraints | None = NOT_A_CA,
 ) -> WorkloadCertificate:
-    """A leaf signed by ``ca`` with the given URI/DNS SANs and EKUs (``eku=None``: no EKU extension)."""
+    """A leaf signed by ``ca`` with the given URI/DNS SANs and EKUs (``eku=None``: no EKU extension) and basic
+    constraints (``None``: no basicConstraints extension; ``ca=True``: a CA certificate used as a leaf)."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.now(UTC)
     builder = (
@@ -38,8 +41,9 @@ def build_leaf(
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - timedelta(minutes=1))
         .not_valid_after(now + ttl)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
     )
+    if basic_constraints is not None:
+        builder = builder.add_extension(basic_constraints, critical=True)
     names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(u) for u in uris]
     names += [x509.DNSName(d) for d in dns]
     if names:

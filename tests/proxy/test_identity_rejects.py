@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography import x509
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.identity.certs import build_leaf
+from ztunnel import tls
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.spiffe import Identity
@@ -78,12 +80,18 @@ def unknown_root(ca: LocalCA) -> WorkloadCertificate:
     )
 
 
+def ca_leaf(ca: LocalCA) -> WorkloadCertificate:
+    """A CA certificate (basicConstraints CA:TRUE) carrying the client's identity: webpki's CaUsedAsEndEntity."""
+    return build_leaf(ca, uris=[str(CLIENT)], basic_constraints=x509.BasicConstraints(ca=True, path_length=None))
+
+
 CASES = {
     "expired": (expired, "TLS_FAILURE", "expired"),
     "not yet valid": (not_yet_valid, "TLS_FAILURE", "not yet valid"),
     "unknown root": (unknown_root, "TLS_FAILURE", "unable to get local issuer certificate"),
     "other trust domain": (other_trust_domain, "IDENTITY_ERROR", "not in trust domain"),
     "two SPIFFE SANs": (two_sans, "IDENTITY_ERROR", "2 SPIFFE identities"),
+    "CA certificate as leaf": (ca_leaf, "TLS_FAILURE", "CA certificate (basicConstraints CA:TRUE)"),
 }
 
 
@@ -159,3 +167,33 @@ async def test_server_presenting_the_wrong_identity(tmp_path: Path, caplog: pyte
     assert flags == ["IDENTITY_ERROR"], errors
     assert echo.connections == 0
     assert any("do not match the expected identities" in e for e in errors), errors
+
+
+async def test_server_presenting_a_ca_certificate(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Outbound: "node B" is a TLS server on B's 15008 whose leaf, for the right identity and from the mesh CA, is
+    a CA certificate (CA:TRUE). Node A refuses it as webpki does (CaUsedAsEndEntity): TLS_FAILURE, nothing sent."""
+    m = TwoNodeMesh(tmp_path)
+    caplog.set_level(logging.INFO, logger="access")
+    received: list[bytes] = []
+
+    async def fake_node_b(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.append(await reader.read(65536))  # the HTTP/2 preface would arrive here if A went on
+        writer.close()
+
+    async with running_app(m.env_a()):
+        ca = LocalCA.load_or_create(m.ca_dir, "cluster.local")  # node A has created the mesh CA by now
+        leaf = build_leaf(
+            ca,
+            uris=[str(Identity("cluster.local", "default", "server"))],
+            basic_constraints=x509.BasicConstraints(ca=True, path_length=None),
+        )
+        server = await asyncio.start_server(fake_node_b, m.node_b, 15008, ssl=tls.server_context(leaf))
+        async with server:
+            with pytest.raises(ConnectionError):
+                await m.socks5()
+            await asyncio.sleep(0.1)
+            flags = [s["response_flags"] for s in await failed(m.node_a) if s["reporter"] == "source"]
+    errors = [str(getattr(r, "fields", {}).get("error", "")) for r in caplog.records]
+    assert flags == ["TLS_FAILURE"], errors
+    assert any("CA certificate (basicConstraints CA:TRUE)" in e and "CaUsedAsEndEntity" in e for e in errors), errors
+    assert received in ([], [b""]), received  # A closed without sending a byte of HTTP/2

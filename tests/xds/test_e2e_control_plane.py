@@ -402,3 +402,40 @@ async def test_on_demand_vip_becomes_routable_on_first_use(tmp_path: Path) -> No
         print(f"on-demand: first VIP connection {first * 1000:.0f} ms, unknown address {unknown * 1000:.0f} ms")
         assert unknown < 1.0
     await outside.stop()
+
+
+MAPPED = "::ffff:127.0.0.0/104"  # IPv4-mapped IPv6: 127.0.0.0/8 written the IPv6 way
+MAPPED_DENY = f"""
+policies:
+- name: deny-not-mapped
+  namespace: default
+  scope: Namespace
+  action: Deny
+  rules: [[[{{notSourceIps: ["{MAPPED}"]}}]]]
+"""
+MAPPED_ALLOW = f"""
+policies:
+- name: allow-mapped
+  namespace: default
+  scope: Namespace
+  action: Allow
+  rules: [[[{{sourceIps: ["{MAPPED}"], namespaces: [{{Exact: default}}]}}]]]
+"""
+
+
+async def test_ipv4_mapped_cidrs_reach_the_inbound_check_as_upstream(two_nodes: Mesh) -> None:
+    """Over real gRPC into a running ztunnel: a mapped CIDR is an IPv6 network and so contains no IPv4 peer
+    (upstream's IpNet). Dropping it on conversion made both rules below fail open."""
+    m = two_nodes
+    await within(1.0, m.write(mesh()), want=True)
+    assert m.b.log_path is not None
+    # DENY notIpBlocks [mapped]: every IPv4 source is "not in" it, so node A's connection is denied.
+    await within(2.0, m.write(mesh() + MAPPED_DENY), want=False)
+    await wait_until(lambda: "explicitly denied by: default/deny-not-mapped" in m.b.log_path.read_text(), 2)  # type: ignore[union-attr]
+    await within(2.0, m.write(mesh()), want=True)
+    # ALLOW {ipBlocks: [mapped], namespaces: [default]}: matches no IPv4 source, so nobody is allowed.
+    await within(2.0, m.write(mesh() + MAPPED_ALLOW), want=False)
+    await wait_until(lambda: "allow policies exist, but none allowed" in m.b.log_path.read_text(), 2)  # type: ignore[union-attr]
+    # The control: the same ALLOW written with the IPv4 CIDR allows node A's client.
+    await within(2.0, m.write(mesh() + MAPPED_ALLOW.replace(MAPPED, "127.0.0.0/8")), want=True)
+    assert m.cp.nacks == []

@@ -249,7 +249,8 @@ def test_authorization_conversion() -> None:
                                 ],
                                 source_ips=[
                                     sec.Address(address=bytes([10, 1, 2, 3]), length=8),
-                                    sec.Address(address=b"\x01\x02\x03", length=8),  # bad: dropped, as upstream
+                                    # IPv4-mapped: kept as sent, an IPv6 network (tests/xds/test_authorization_cidrs.py)
+                                    sec.Address(address=ipaddress.IPv6Address("::ffff:10.0.0.0").packed, length=104),
                                 ],
                                 destination_ports=[80, 443],
                                 not_service_accounts=[sec.ServiceAccountMatch(namespace="ns", serviceAccount="sa")],
@@ -266,7 +267,7 @@ def test_authorization_conversion() -> None:
     (m,) = p.rules[0][0]
     assert m.namespaces == (StringMatch(StringMatchKind.EXACT, "a"), StringMatch(StringMatchKind.PREFIX, "p"))
     assert m.principals == (StringMatch(StringMatchKind.SUFFIX, "/sa/x"), StringMatch(StringMatchKind.PRESENCE))
-    assert m.source_ips == (ipaddress.ip_network("10.0.0.0/8"),)
+    assert m.source_ips == (ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("::ffff:10.0.0.0/104"))
     assert m.destination_ports == (80, 443)
     assert m.not_service_accounts == (ServiceAccountMatch("ns", "sa"),)
 

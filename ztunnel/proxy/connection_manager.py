@@ -28,6 +28,7 @@ from ztunnel.rbac import Connection
 from ztunnel.state import ProxyState, StateChange
 from ztunnel.state.upstream import ServiceDescription
 from ztunnel.state.workload import IPAddress, Workload
+from ztunnel.telemetry import display
 from ztunnel.telemetry import log as log_fields
 
 access = logging.getLogger("access")
@@ -78,7 +79,8 @@ class ConnectionRecord:
     def fields(self) -> dict[str, object]:
         """Upstream's access-log fields, in its order (``proxy/metrics.rs``)."""
         src, dst, derived = self.src_workload, self.dst_workload, self.derived_source
-        out: dict[str, object] = {"src.addr": format_addr(*self.src)}
+        # Addresses and the authority are Display (`%`) fields upstream: written bare in plain lines.
+        out: dict[str, object] = {"src.addr": display(format_addr(*self.src))}
         # Workload name, else the canonical service (upstream's fallback), else what baggage said.
         src_name = (src.name or src.canonical_name) if src is not None else (derived.workload_name if derived else None)
         if src_name:
@@ -91,9 +93,9 @@ class ConnectionRecord:
         src_cluster = src.cluster_id if src is not None else (derived.cluster_id if derived else None)
         if src_cluster:
             out["src.cluster"] = src_cluster
-        out["dst.addr"] = format_addr(*self.dst)
+        out["dst.addr"] = display(format_addr(*self.dst))
         if self.hbone_target is not None:
-            out["dst.hbone_addr"] = self.hbone_target
+            out["dst.hbone_addr"] = display(self.hbone_target)
         if self.dst_service is not None:
             out["dst.service"] = self.dst_service.hostname
         if dst is not None:
@@ -202,9 +204,9 @@ class ConnectionManager:
 
 def log_failed(direction: Direction, src: tuple[IPAddress, int], dst: tuple[IPAddress, int] | None, error: str) -> None:
     """An early failure (before a connection was established): upstream's WARN ``connection failed``."""
-    fields: dict[str, object] = {"src.addr": format_addr(*src)}
+    fields: dict[str, object] = {"src.addr": display(format_addr(*src))}
     if dst is not None:
-        fields["dst.addr"] = format_addr(*dst)
+        fields["dst.addr"] = display(format_addr(*dst))
     fields["direction"] = direction.value
     fields["error"] = error
     log_fields(access, logging.WARNING, "connection failed", **fields)

@@ -180,7 +180,11 @@ class WorkloadHBONEPool:
             except tls.TlsError as e:
                 # Report first: abort() runs on_closed, which would otherwise claim the failure as CONNECT.
                 if not done.done():
-                    done.set_exception(ProxyError(f"TLS to {format_addr(ip, port)}: {e}", ResponseFlag.IDENTITY_ERROR))
+                    # A certificate webpki would refuse inside the handshake (CA as leaf) is a TLS failure upstream.
+                    flag = (
+                        ResponseFlag.TLS_FAILURE if isinstance(e, tls.HandshakeFailed) else ResponseFlag.IDENTITY_ERROR
+                    )
+                    done.set_exception(ProxyError(f"TLS to {format_addr(ip, port)}: {e}", flag))
                 t.abort(str(e))
                 return
             if not done.done():

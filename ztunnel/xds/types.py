@@ -9,17 +9,20 @@ The rules are upstream's:
 
 * an empty ``trust_domain`` means ``cluster.local``, an empty ``service_account`` means ``default`` and an empty
   ``cluster_id`` means ``Kubernetes``; an unset ``capacity`` means 1;
-* IPs are raw bytes of length 4 or 16 (anything else rejects the resource); IPv4-mapped IPv6 addresses are
-  stored as IPv4, as every lookup canonicalises them;
+* IPs are raw bytes of length 4 or 16 (anything else rejects the resource); IPv4-mapped IPv6 workload and
+  service addresses are stored as IPv4, as every lookup canonicalises them, but authorization CIDRs are kept as
+  sent (a mapped CIDR stays IPv6 and so matches no IPv4 peer, as upstream's ``IpNet``);
 * ``LEGACY_ISTIO_MTLS`` is rejected (ztunnel cannot originate it), as is any enum value the schema does not
   define, except ``workload_type`` (unknown reads as ``deployment``, prost's default) and ``visibility``
   (unknown reads as ``PUBLIC``: fail open rather than drop the service);
 * a service address with a ``length`` shorter than the full prefix is a CIDR VIP;
-* in authorization policies a ``StringMatch`` with no match set and an IP ``Address`` that does not parse are
-  dropped from their match (upstream's ``filter_map``), not rejected.
+* in authorization policies a ``StringMatch`` with no match set is dropped from its match (upstream's
+  ``filter_map``), not rejected.
 
-Deviation, deliberately stricter: ports above 65535 (upstream truncates them to 16 bits) reject the resource,
-because a truncated port would silently route or authorize the wrong port.
+Deviations, deliberately stricter: ports above 65535 (upstream truncates them to 16 bits) reject the resource,
+because a truncated port would silently route or authorize the wrong port; so does an authorization CIDR that does
+not parse (bytes not 4 or 16 long, prefix longer than the address), which upstream drops from its match, silently
+widening or narrowing the rule.
 """
 
 from __future__ import annotations
@@ -337,15 +340,31 @@ def _string_matches(items: Iterable[sec_pb.StringMatch]) -> tuple[StringMatch, .
     return tuple(out)
 
 
-def _cidrs(items: Iterable[sec_pb.Address]) -> tuple[IPNetwork, ...]:
-    out: list[IPNetwork] = []
-    for a in items:
-        try:
-            ip = ip_from_bytes(a.address, "")
-            out.append(ipaddress.ip_network((ip, a.length), strict=False))
-        except ValueError:
-            continue  # upstream drops addresses that do not parse
-    return tuple(out)
+def _cidr(a: sec_pb.Address, field: str) -> IPNetwork:
+    """One policy CIDR, exactly as sent: the raw bytes are *not* canonicalised, so ``::ffff:10.0.0.0/104`` stays an
+    IPv6 network, as upstream's ``IpNet::new(byte_to_ip(..), length)``. Connection addresses are canonical (IPv4),
+    and a network matches only addresses of its own family, so a mapped CIDR matches no IPv4 peer (upstream's
+    ``IpNet::contains``). Host bits are kept out of the match, as ``IpNet::contains`` masks them."""
+    raw = a.address
+    ip: IPAddress
+    if len(raw) == 4:
+        ip = ipaddress.IPv4Address(raw)
+    elif len(raw) == 16:
+        ip = ipaddress.IPv6Address(raw)
+    else:
+        raise ConversionError(field, f"IP address must be 4 or 16 bytes, got {len(raw)}")
+    full = 32 if ip.version == 4 else 128
+    if a.length > full:
+        raise ConversionError(field, f"invalid CIDR {ip}/{a.length}: prefix length {a.length} > {full}")
+    return ipaddress.ip_network((ip, a.length), strict=False)
+
+
+def _cidrs(items: Iterable[sec_pb.Address], field: str) -> tuple[IPNetwork, ...]:
+    # Deliberately stricter than upstream, which drops an entry that does not parse (and truncates the length to 8
+    # bits first, so /264 reads as /8): dropping one entry of ``notIpBlocks``, or the only one of ``ipBlocks``,
+    # widens or narrows a rule silently. istiod never sends such an entry (it skips unparsable ipBlocks itself), so
+    # one can only come from a broken control plane, and a NACK naming it is the safe answer.
+    return tuple(_cidr(a, f"{field}[{i}]") for i, a in enumerate(items))
 
 
 def _ports(items: Iterable[int], field: str) -> tuple[int, ...]:
@@ -364,10 +383,10 @@ def _match(m: sec_pb.Match, field: str) -> Match:
         not_service_accounts=_accounts(m.not_service_accounts),
         principals=_string_matches(m.principals),
         not_principals=_string_matches(m.not_principals),
-        source_ips=_cidrs(m.source_ips),
-        not_source_ips=_cidrs(m.not_source_ips),
-        destination_ips=_cidrs(m.destination_ips),
-        not_destination_ips=_cidrs(m.not_destination_ips),
+        source_ips=_cidrs(m.source_ips, f"{field}.source_ips"),
+        not_source_ips=_cidrs(m.not_source_ips, f"{field}.not_source_ips"),
+        destination_ips=_cidrs(m.destination_ips, f"{field}.destination_ips"),
+        not_destination_ips=_cidrs(m.not_destination_ips, f"{field}.not_destination_ips"),
         destination_ports=_ports(m.destination_ports, f"{field}.destination_ports"),
         not_destination_ports=_ports(m.not_destination_ports, f"{field}.not_destination_ports"),
     )
