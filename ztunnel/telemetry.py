@@ -100,28 +100,15 @@ MAX_MESSAGE_CHARS = 4096
 _DEBUG_ESCAPES = {"\t": "\\t", "\r": "\\r", "\n": "\\n", "\0": "\\0", '"': '\\"', "\\": "\\\\"}
 
 
-class Display:
+class Display(str):
     """A field value written bare in plain lines, like tracing's ``%value`` (Display) fields: upstream writes
     addresses (``src.addr=10.0.0.1:1234``) and the HBONE authority this way, and strings quoted. A value that is not
     one plain token (it holds a space, a quote, a backslash or a character that is escaped) is quoted after all, so
-    a peer cannot forge ``k=v`` pairs through it. JSON lines hold it as a string either way."""
+    a peer cannot forge ``k=v`` pairs through it. JSON lines hold it as a string either way.
 
-    __slots__ = ("text",)
+    A ``str`` subclass, so everything but the plain formatter (JSON, tests, admin views) sees the plain string."""
 
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __str__(self) -> str:
-        return self.text
-
-    def __repr__(self) -> str:
-        return f"Display({self.text!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Display) and other.text == self.text
-
-    def __hash__(self) -> int:
-        return hash(self.text)
+    __slots__ = ()
 
 
 def display(text: str) -> Display:
@@ -166,6 +153,9 @@ def _plain_text(text: str, limit: int) -> tuple[str, bool]:
 def _plain_value(value: Any) -> str:
     # As upstream's plain format: strings Debug-formatted (quoted, escaped), numbers and booleans bare (Rust's
     # ``true``/``false``), Display values bare when they are one plain token.
+    if isinstance(value, Display):
+        text, bare = _plain_text(value, MAX_FIELD_CHARS)
+        return text if bare else f'"{text}"'
     if isinstance(value, str):
         return f'"{_plain_text(value, MAX_FIELD_CHARS)[0]}"'
     if isinstance(value, bool):
