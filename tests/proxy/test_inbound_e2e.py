@@ -274,3 +274,47 @@ async def test_svc_hostname(tmp_path: Path, caplog: pytest.LogCaptureFixture, ed
     ok = [f for f in lines if "error" not in f]
     assert len(ok) == 1 and ok[0]["dst.service"] == ECHO_HOST and ok[0]["dst.hbone_addr"] == f"{ECHO_HOST}:80", lines
     assert echo.connections == 1
+
+
+# -- application tunnels ---------------------------------------------------------------------------------------------
+
+
+def app_tunnel(protocol: str) -> Callable[[str], str]:
+    def edit(text: str) -> str:
+        anchor = "  workloadName: server\n"
+        assert anchor in text
+        return text.replace(anchor, f"{anchor}  applicationTunnel: {{protocol: {protocol}}}\n", 1)
+
+    return edit
+
+
+@pytest.mark.parametrize("protocol", ["NONE", "PROXY"])
+async def test_app_tunnel(tmp_path: Path, caplog: pytest.LogCaptureFixture, protocol: str) -> None:
+    """A ``NONE`` app tunnel is a plain stream to the app. A ``PROXY`` one (a waypoint expecting a PROXY v2 header)
+    is refused with 503 and a reason, never sent as bare bytes the app would misread as its header."""
+    m = TwoNodeMesh(tmp_path, edit=app_tunnel(protocol))
+    caplog.set_level(logging.INFO, logger="access")
+    echo = await EchoServer().start(*m.server_app)
+    try:
+        async with running_app(m.env_b()):
+            cert = LocalCA.load_or_create(m.ca_dir, "cluster.local").issue(CLIENT, timedelta(hours=1))
+            conn: Any = await hbone_dial((m.node_b, 15008), cert, local_addr=(m.node_a, 0))
+            try:
+                status, reader, writer = await tunnel(conn, f"{m.server_app[0]}:{m.server_app[1]}")
+                if status == 200:
+                    writer.write(b"through the tunnel")
+                    writer.write_eof()
+                    assert await asyncio.wait_for(reader.read(), 10) == b"through the tunnel"
+                writer.close()
+            finally:
+                conn.close("test done")
+            lines = await eventually(lambda: inbound_lines(caplog, m.node_b))
+    finally:
+        await echo.stop()
+    if protocol == "NONE":
+        assert status == 200 and echo.connections == 1
+        assert "error" not in lines[0], lines
+        return
+    assert status == 503
+    assert echo.connections == 0
+    assert len(lines) == 1 and "PROXY-protocol application tunnel" in lines[0]["error"], lines

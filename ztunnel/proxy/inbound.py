@@ -50,7 +50,14 @@ from ztunnel.sockets import local_dst, peer_addr, set_accepted_options
 from ztunnel.state import ProxyState
 from ztunnel.state.service import Service
 from ztunnel.state.upstream import ServiceDescription
-from ztunnel.state.workload import IPAddress, NamespacedHostname, NetworkAddress, NetworkMode, Workload
+from ztunnel.state.workload import (
+    AppTunnelProtocol,
+    IPAddress,
+    NamespacedHostname,
+    NetworkAddress,
+    NetworkMode,
+    Workload,
+)
 
 log = logging.getLogger("ztunnel.proxy.inbound")
 
@@ -403,6 +410,7 @@ class Inbound:
             denied = self.authorize(record.rbac, req.local)
             if denied is not None:
                 raise InboundRejected(401, _deny_message(denied), ResponseFlag.DENY)
+            _refuse_proxy_protocol_tunnel(req.local)
             upstream = await self._connect(record, req.upstream, src[0])
         except InboundRejected as e:
             self._reject(conn, stream, ev, record, e)
@@ -526,6 +534,20 @@ def _check_source_identity(source: Workload, identity: Identity | None, ip: IPAd
         f"{source.namespace}/{source.name} ({source.identity})",
         ResponseFlag.IDENTITY_ERROR,
     )
+
+
+def _refuse_proxy_protocol_tunnel(local: Workload) -> None:
+    """A workload whose app tunnel speaks PROXY protocol (a waypoint in the "sandwich") expects a PROXY v2 header
+    before the bytes; this ztunnel does not write one yet, and the bytes alone would be misread as a header (or let
+    the app take ztunnel's address for the client's). So the stream is refused (503) with a reason that says so."""
+    tunnel = local.application_tunnel
+    if tunnel is not None and tunnel.protocol is AppTunnelProtocol.PROXY:
+        raise InboundRejected(
+            503,
+            f"workload {local.namespace}/{local.name} has a PROXY-protocol application tunnel "
+            f"(port {tunnel.port or 'unchanged'}), which this ztunnel does not implement: the stream is refused "
+            "rather than sent without its PROXY header",
+        )
 
 
 def _deny_message(reason: str) -> str:
