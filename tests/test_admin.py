@@ -101,6 +101,15 @@ async def test_logging_endpoint(tmp_path: Path) -> None:
         assert (await acall(m.node_a, "/nope"))[0] == 404
 
 
+async def test_profiling_endpoints_are_absent(tmp_path: Path) -> None:
+    # Upstream serves pprof CPU and heap profiles here; they are not implemented (README, Compatibility): a clear
+    # 404, never a page that looks like a profile.
+    m = TwoNodeMesh(tmp_path)
+    async with running_app(m.env_a()):
+        for path in ("/debug/pprof/profile", "/debug/pprof/heap", "/debug/pprof/heap/profiling?activate=true"):
+            assert (await acall(m.node_a, path))[0] == 404, path
+
+
 async def test_connections_endpoint(tmp_path: Path) -> None:
     m = TwoNodeMesh(tmp_path)
     echo = await EchoServer().start(*m.server_app)

@@ -98,3 +98,24 @@ async def test_client_demand_is_shared_and_cancellable() -> None:
         await asyncio.wait_for(second, 0.01)
     assert client._demand_waiters == {}
     assert client.core.pending_demands == {ResourceKey(ADDRESS_TYPE, "/10.96.0.1")}
+
+
+async def test_inbound_waypoint_target_fetched_on_demand(state: ProxyState) -> None:
+    # Inbound (upstream validate_destination): an HBONE target other than the dialled IP may be a workload or VIP
+    # whose waypoint is us, which the state may not hold yet; it is fetched before the check. The dialled IP, a
+    # hostname authority and an authority that does not parse ask for nothing.
+    from ztunnel.proxy.inbound import Inbound
+
+    asked: list[NetworkAddress] = []
+
+    async def on_demand(addr: NetworkAddress) -> None:
+        asked.append(addr)
+
+    inbound = Inbound(inputs(state, on_demand), lambda conn, workload: None)
+    dialled = KNOWN.address
+    await inbound._fetch_target(f"{dialled}:8080", dialled)
+    await inbound._fetch_target("echo.default.svc.cluster.local:80", dialled)
+    await inbound._fetch_target("not an authority", dialled)
+    assert asked == []
+    await inbound._fetch_target(f"{UNKNOWN.address}:80", dialled)
+    assert asked == [UNKNOWN]
