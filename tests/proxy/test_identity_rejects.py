@@ -118,6 +118,25 @@ async def test_bad_client_certificate_is_refused(
     assert flags == [flag], samples
 
 
+@pytest.mark.parametrize("case", ["other trust domain", "unknown root"])
+async def test_failed_handshake_from_a_workload_ip_is_not_that_workload(
+    mesh: tuple[TwoNodeMesh, LocalCA, EchoServer], case: str
+) -> None:
+    """A handshake refused from the client workload's own IP (a certificate of another trust domain, or one that
+    does not verify) proves nothing about who the peer is: the failed connection's source labels are unknown, never
+    the workload that owns the IP (as for an accepted peer whose certificate is not that workload's)."""
+    m, ca, _ = mesh
+    make, flag, _ = CASES[case]
+    with pytest.raises(ConnectionError):
+        conn: Any = await hbone_dial((m.node_b, 15008), make(ca), local_addr=(m.node_a, 0))
+        await hbone_request(conn, f"{m.server_app[0]}:{m.server_app[1]}")
+    await asyncio.sleep(0.1)
+    (sample,) = [s for s in await failed(m.node_b) if s["reporter"] == "destination"]
+    assert sample["response_flags"] == flag
+    for label in ("source_workload", "source_workload_namespace", "source_canonical_service", "source_principal"):
+        assert sample[label] == "unknown", (label, sample)
+
+
 async def test_pod_presenting_another_pods_certificate(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """With ZTUNNEL_VERIFY_SOURCE_IDENTITY=true: from the client workload's own IP, with a valid certificate of another
     identity: 401, IDENTITY_ERROR. (By default it is accepted as upstream does, without the IP's workload:

@@ -341,8 +341,8 @@ class Inbound:
         if flag is None:
             log_failed(Direction.INBOUND, src, dst, error)
             return
+        # No source workload: the handshake failed, so nothing proves the peer is the workload at its IP.
         record = ConnectionRecord(direction=Direction.INBOUND, src=src, dst=dst, mtls=True)
-        record.src_workload = self.pi.state.workloads.find_address(_naddr(self.pi, src[0]))
         local = self.pi.local.find()
         if local is not None:
             record.dst_workload = local
