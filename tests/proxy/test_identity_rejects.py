@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import urllib.request
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -16,33 +15,24 @@ from typing import Any
 
 import pytest
 from cryptography import x509
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.identity.certs import build_leaf
 from ztunnel import tls
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.spiffe import Identity
-from ztunnel.testing import EchoServer, TwoNodeMesh, hbone_dial, hbone_request, node_env, running_app
+from ztunnel.testing import EchoServer, TwoNodeMesh, hbone_dial, hbone_request, node_env, running_app, scrape
 
 CLIENT = Identity("cluster.local", "default", "client")
 OTHER = Identity("cluster.local", "default", "someone-else")
 
 
 async def failed(node_ip: str) -> list[dict[str, str]]:
-    """Label sets of istio_tcp_connections_failed_total samples on a node's stats port (the ztunnels run on this
-    event loop: the scrape goes to a thread)."""
-
-    def get() -> str:
-        with urllib.request.urlopen(f"http://{node_ip}:15020/metrics", timeout=5) as resp:
-            return str(resp.read().decode())
-
-    text = await asyncio.to_thread(get)
+    """Label sets of the istio_tcp_connections_failed_total samples on a node's stats port."""
     return [
-        dict(s.labels)
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name == "istio_tcp_connections_failed_total" and s.value > 0
+        labels
+        for name, labels, value in await scrape(node_ip)
+        if name == "istio_tcp_connections_failed_total" and value
     ]
 
 

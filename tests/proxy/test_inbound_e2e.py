@@ -28,7 +28,17 @@ import pytest
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.relay import PlainConnection
-from ztunnel.testing import EchoServer, TwoNodeMesh, hbone_dial, hbone_request, node_env, running_app, socks5_connect
+from ztunnel.testing import (
+    EchoServer,
+    TwoNodeMesh,
+    access_fields,
+    eventually,
+    hbone_dial,
+    hbone_request,
+    node_env,
+    running_app,
+    socks5_connect,
+)
 
 CLIENT = Identity("cluster.local", "default", "client")
 ECHO_HOST = "echo.default.svc.cluster.local"
@@ -161,21 +171,7 @@ services:
 
 
 def inbound_lines(caplog: pytest.LogCaptureFixture, node_ip: str) -> list[dict[str, Any]]:
-    return [
-        dict(f)
-        for r in caplog.records
-        if r.getMessage() == "connection complete"
-        and (f := getattr(r, "fields", {})).get("direction") == "inbound"
-        and str(f.get("dst.addr", "")).startswith(f"{node_ip}:")
-    ]
-
-
-async def eventually(check: Callable[[], Any], timeout: float = 5.0) -> Any:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not (got := check()) and loop.time() < deadline:
-        await asyncio.sleep(0.01)
-    return got
+    return [f for f in access_fields(caplog.records) if str(f.get("dst.addr", "")).startswith(f"{node_ip}:")]
 
 
 @pytest.mark.parametrize("reference", ["service-hostname", "service-vip", "workload-vip"])
@@ -266,9 +262,7 @@ async def test_svc_hostname(tmp_path: Path, caplog: pytest.LogCaptureFixture, ed
                 assert status == 503
             finally:
                 conn.close("test done")
-            lines = await eventually(
-                lambda: len(inbound_lines(caplog, m.node_b)) >= 2 and inbound_lines(caplog, m.node_b)
-            )
+            lines = await eventually(lambda: inbound_lines(caplog, m.node_b), until=lambda got: len(got) >= 2)
     finally:
         await echo.stop()
     ok = [f for f in lines if "error" not in f]

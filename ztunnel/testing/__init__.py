@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import os
 import socket
 import ssl
@@ -16,12 +17,14 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from ztunnel.testing.netns import Netns
+
+T = TypeVar("T")
 
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
 TWO_NODE = EXAMPLES / "two-node.yaml"
@@ -163,6 +166,45 @@ class HeldListener:
     def close(self) -> None:
         self.filler.close()
         self.sock.close()
+
+
+async def eventually(check: Callable[[], T], timeout: float = 5.0, until: Callable[[T], object] = bool) -> T:
+    """Poll ``check`` every 10 ms until ``until`` holds for its result (by default: it is truthy), at most
+    ``timeout`` seconds; e.g. an access line or a sample written a moment after the client saw the end. Returns the
+    last result, whether or not it got there, so the caller's assert says what was missing."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        got = check()
+        if until(got) or loop.time() >= deadline:
+            return got
+        await asyncio.sleep(0.01)
+
+
+def access_fields(records: Iterable[logging.LogRecord], direction: str = "inbound") -> list[dict[str, Any]]:
+    """The fields of each access-log ``connection complete`` record of ``direction`` (e.g. pytest's
+    ``caplog.records``), in order."""
+    out = []
+    for r in records:
+        fields = getattr(r, "fields", None)
+        if fields is not None and r.getMessage() == "connection complete" and fields.get("direction") == direction:
+            out.append(dict(fields))
+    return out
+
+
+async def scrape(host: str, port: int = 15020) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample (name, labels, value) on a ztunnel's stats port. Fetched in a thread: the ztunnel may be
+    running on this event loop."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def get() -> str:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as resp:
+            return str(resp.read().decode())
+
+    text = await asyncio.to_thread(get)
+    return [(s.name, dict(s.labels), s.value) for fam in text_string_to_metric_families(text) for s in fam.samples]
 
 
 async def socks5_connect(
