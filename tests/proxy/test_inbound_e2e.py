@@ -74,11 +74,7 @@ class Relay:
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             # The waypoint proxy's own outbound traffic comes from the waypoint pod's address.
-            sock = socket.socket()
-            sock.bind((self.source_ip, 0))
-            sock.connect(self.socks5)
-            sock.setblocking(False)
-            up_reader, up_writer = await socks5_via(sock, *self.target)
+            up_reader, up_writer = await socks5_connect(self.socks5, *self.target, local_addr=(self.source_ip, 0))
         except (ConnectionError, OSError) as e:
             self.errors.append(repr(e))
             writer.close()
@@ -101,20 +97,6 @@ class Relay:
             self.server.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.server.wait_closed(), 2)
-
-
-async def socks5_via(sock: socket.socket, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """``socks5_connect`` over a socket already connected to the SOCKS5 listener (bound to a chosen source)."""
-    reader, writer = await asyncio.open_connection(sock=sock)
-    writer.write(b"\x05\x01\x00")
-    if await reader.readexactly(2) != b"\x05\x00":
-        raise ConnectionError("SOCKS5 method negotiation failed")
-    writer.write(b"\x05\x01\x00\x01" + socket.inet_aton(host) + port.to_bytes(2, "big"))
-    head = await reader.readexactly(10)
-    if head[1] != 0:
-        writer.close()
-        raise ConnectionError(f"SOCKS5 reply {head[1]}")
-    return reader, writer
 
 
 def with_waypoint(m: TwoNodeMesh, reference: str) -> tuple[str, str]:

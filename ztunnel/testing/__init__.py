@@ -208,10 +208,11 @@ async def scrape(host: str, port: int = 15020) -> list[tuple[str, dict[str, str]
 
 
 async def socks5_connect(
-    proxy: tuple[str, int], host: str, port: int
+    proxy: tuple[str, int], host: str, port: int, local_addr: tuple[str, int] | None = None
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A SOCKS5 CONNECT (no auth) through ``proxy``; raises ConnectionError with the reply code on failure."""
-    reader, writer = await asyncio.open_connection(*proxy)
+    """A SOCKS5 CONNECT (no auth) through ``proxy``, from ``local_addr`` if given; raises ConnectionError with the
+    reply code on failure."""
+    reader, writer = await asyncio.open_connection(*proxy, local_addr=local_addr)
     writer.write(b"\x05\x01\x00")
     if await reader.readexactly(2) != b"\x05\x00":
         raise ConnectionError("SOCKS5 method negotiation failed")
