@@ -81,8 +81,12 @@ class EchoServer:
         self.received = 0
         self.connections = 0
 
-    async def start(self, host: str, port: int) -> EchoServer:
-        self.server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
+    async def start(self, host: str | None = None, port: int = 0, *, sock: socket.socket | None = None) -> EchoServer:
+        """Listen on ``host:port``, or on the listening ``sock`` (e.g. one made in a network namespace)."""
+        if sock is not None:
+            self.server = await asyncio.start_server(self._handle, sock=sock)
+        else:
+            self.server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
         return self
 
     @property
