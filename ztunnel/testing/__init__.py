@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 if TYPE_CHECKING:
     from ztunnel.testing.netns import Netns
@@ -196,19 +196,33 @@ def access_fields(records: Iterable[logging.LogRecord], direction: str = "inboun
     return out
 
 
-async def scrape(host: str, port: int = 15020) -> list[tuple[str, dict[str, str], float]]:
-    """Every sample (name, labels, value) on a ztunnel's stats port. Fetched in a thread: the ztunnel may be
-    running on this event loop."""
+class Sample(NamedTuple):
+    """One metric sample as scraped."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+def scrape_now(host: str, port: int = 15020) -> list[Sample]:
+    """Every sample on a ztunnel's stats port, blocking (both this project and upstream serve OpenMetrics text).
+    Call it through :func:`scrape` from a loop that runs a ztunnel, or through ``Netns.run`` in a namespace."""
     import urllib.request
 
-    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-    def get() -> str:
-        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as resp:
-            return str(resp.read().decode())
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as resp:
+        text = str(resp.read().decode())
+    return [
+        Sample(s.name, dict(s.labels), float(s.value))
+        for fam in text_string_to_metric_families(text)  # type: ignore[no-untyped-call]
+        for s in fam.samples
+    ]
 
-    text = await asyncio.to_thread(get)
-    return [(s.name, dict(s.labels), s.value) for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+async def scrape(host: str, port: int = 15020) -> list[Sample]:
+    """:func:`scrape_now` in a thread: the ztunnel may be running on this event loop."""
+    return await asyncio.to_thread(scrape_now, host, port)
 
 
 async def socks5_connect(

@@ -38,14 +38,11 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.request
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from ztunnel.inpod.nodeagent import PodInfo, ZdsServer
-from ztunnel.testing import EchoServer, ZtunnelProcess, socks5_connect, with_parent_death_signal
+from ztunnel.testing import EchoServer, Sample, ZtunnelProcess, scrape_now, socks5_connect, with_parent_death_signal
 from ztunnel.testing import netns as tn
 
 __all__ = [
@@ -153,15 +150,6 @@ def require_upstream() -> str:
             pytest.fail(f"{REQUIRE_ENV}=require, but {reason}")
         pytest.skip(reason)
     return os.environ[UPSTREAM_BIN_ENV]
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One ``istio_tcp_*`` sample as scraped."""
-
-    name: str
-    labels: Mapping[str, str]
-    value: float
 
 
 class InteropMesh:
@@ -353,22 +341,8 @@ class InteropMesh:
         return self.clients.call(asyncio.wait_for(_attempt(host, port, socks), timeout), timeout + 5)
 
     def scrape(self, node: str) -> list[Sample]:
-        """The ``istio_tcp_*`` samples of ``node``'s ztunnel (``:15020/metrics``, parsed by prometheus_client)."""
-        from prometheus_client.openmetrics.parser import text_string_to_metric_families
-
-        ip = self.nodes[node].ip
-
-        def get() -> str:
-            with urllib.request.urlopen(f"http://{ip}:15020/metrics", timeout=5) as r:
-                return str(r.read().decode())
-
-        text = self.nodes[node].run(get)
-        return [
-            Sample(s.name, dict(s.labels), float(s.value))
-            for fam in text_string_to_metric_families(text)  # type: ignore[no-untyped-call]
-            if fam.name.startswith("istio_tcp_")
-            for s in fam.samples
-        ]
+        """The ``istio_tcp_*`` samples of ``node``'s ztunnel (``:15020/metrics``, scraped inside the node)."""
+        return [s for s in self.nodes[node].run(scrape_now, self.nodes[node].ip) if s.name.startswith("istio_tcp_")]
 
     # -- teardown ----------------------------------------------------------------------------------------------------
 
