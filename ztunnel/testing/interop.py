@@ -161,7 +161,6 @@ class InteropMesh:
         self.workdir = workdir
         self.upstream_bin = upstream_bin
         self.ztunnels: dict[str, ZtunnelProcess] = {}
-        self.impls: dict[str, Impl] = {}
         self.logs: dict[str, Path] = {}
         self.agents: dict[str, ZdsServer] = {}
         self._snapshots: dict[str, int] = {}
@@ -299,7 +298,6 @@ class InteropMesh:
                 argv += ["-m", "ztunnel"]
             argv += ["proxy", "ztunnel"]
             self.logs[node] = self.workdir / f"run{self._runs}-{node}-{impl}.log"
-            self.impls[node] = impl
             self.ztunnels[node] = ZtunnelProcess(
                 self.env(node), self.logs[node], argv=argv, netns=self.nodes[node], kill_with_parent=True
             ).start(timeout=30)
@@ -312,9 +310,6 @@ class InteropMesh:
         codes = {node: z.stop() for node, z in self.ztunnels.items()}
         self.ztunnels.clear()
         return codes
-
-    def describe(self) -> str:
-        return ", ".join(f"{node}: {impl}" for node, impl in self.impls.items())
 
     def log_text(self, name: str, tail: int = 300) -> str:
         """The last ``tail`` lines of a process log (``node1``, ``node2`` or ``control-plane``)."""
