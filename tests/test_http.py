@@ -78,9 +78,10 @@ async def until_no_connections(server: HttpServer) -> None:
             await asyncio.sleep(0.01)
 
 
-async def get(addr: tuple[str, int]) -> bytes:
+async def get(addr: tuple[str, int], path: bytes = b"/ok") -> bytes:
+    """One ``GET path`` with ``Connection: close``; the whole response."""
     reader, writer = await asyncio.open_connection(*addr)
-    writer.write(HEAD.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"))
+    writer.write(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     body = await asyncio.wait_for(reader.read(), GENEROUS)
     writer.close()
     return body
@@ -197,7 +198,7 @@ async def test_the_three_servers_of_a_running_ztunnel_close_half_sent_heads(tmp_
         ports = (15000, 15020, 15021)
         paths = {15000: b"/config_dump", 15020: b"/metrics", 15021: b"/healthz/ready"}
         for port in ports:
-            body = await get_path((m.node_a, port), paths[port])
+            body = await get((m.node_a, port), paths[port])
             assert body.startswith(b"HTTP/1.1 200"), (port, body[:100])
         conns = [await asyncio.open_connection(m.node_a, port) for port in ports for _ in range(5)]
         for _, writer in conns:
@@ -205,14 +206,6 @@ async def test_the_three_servers_of_a_running_ztunnel_close_half_sent_heads(tmp_
         assert all(await asyncio.gather(*(closed_by_server(r) for r, _ in conns)))
         for _, writer in conns:
             writer.close()
-
-
-async def get_path(addr: tuple[str, int], path: bytes) -> bytes:
-    reader, writer = await asyncio.open_connection(*addr)
-    writer.write(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    body = await asyncio.wait_for(reader.read(), GENEROUS)
-    writer.close()
-    return body
 
 
 async def test_half_sent_requests_cannot_starve_hbone_of_descriptors(tmp_path: Path) -> None:

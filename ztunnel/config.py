@@ -1025,7 +1025,7 @@ SETTINGS: tuple[Setting, ...] = (
     # Tuning: the data plane runs on one event loop until worker processes exist (issue 16); one loop is slower on a
     # big node, never less safe, so these warn instead of failing (the chart sets two of them on every pod).
     Setting(
-        ("ZTUNNEL_WORKER_THREADS", "ZTUNNEL_CPU_LIMIT", "ZTUNNEL_RESOURCE_CPU_LIMIT", "ZTUNNEL_RESOURCE_CPU_REQUEST"),
+        _WORKER_VARIABLES,
         ("worker_threads",),
         Support.WARNS,
         warns_when={

@@ -15,7 +15,7 @@ import json
 import logging
 import sys
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
 TRACE = 5
@@ -136,18 +136,28 @@ def _plain_text(text: str, limit: int) -> tuple[str, bool]:
         if len(text) <= limit:
             return text, " " not in text
         return text[:limit] + _cut_marker(len(text) - limit), False
-    # Slow path (non-ASCII or something to escape): escapes grow the text up to 10x, so the budget is on the output.
+    escaped = _escaped(text, limit, _escape_char)
+    return escaped, escaped == text and " " not in text  # a cut ends in a marker with spaces: never bare
+
+
+def _escaped(text: str, limit: int, escape: Callable[[str], str]) -> str:
+    """The slow path (non-ASCII, or something to escape): ``escape`` of each character, at most ``limit``
+    characters of output (escapes grow the text up to 10x, so the budget is on the output), then a cut marker."""
     out: list[str] = []
     used = 0
     for i, c in enumerate(text):
-        esc = _escape_char(c)
+        esc = escape(c)
         used += len(esc)
         if used > limit:
             out.append(_cut_marker(len(text) - i))
-            return "".join(out), False
+            break
         out.append(esc)
-    escaped = "".join(out)
-    return escaped, escaped == text and " " not in text
+    return "".join(out)
+
+
+def _escape_message_char(c: str) -> str:
+    # A message has no quotes around it to break out of: quotes and backslashes stay as they are.
+    return c if c in ('"', "\\") else _escape_char(c)
 
 
 def _plain_value(value: Any) -> str:
@@ -173,16 +183,7 @@ def _plain_message(message: str) -> str:
     # backslash escapes (a message has no quotes around it to break out of), and cut at MAX_MESSAGE_CHARS.
     if message.isascii() and message.isprintable() and len(message) <= MAX_MESSAGE_CHARS:
         return message
-    out: list[str] = []
-    used = 0
-    for i, c in enumerate(message):
-        esc = c if c in ('"', "\\") else _escape_char(c)
-        used += len(esc)
-        if used > MAX_MESSAGE_CHARS:
-            out.append(_cut_marker(len(message) - i))
-            break
-        out.append(esc)
-    return "".join(out)
+    return _escaped(message, MAX_MESSAGE_CHARS, _escape_message_char)
 
 
 def _bounded(text: str, limit: int) -> str:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from ztunnel.testing import Sample
 from ztunnel.testing.interop import (
     CLIENT_ID,
     DENIED_PORT,
@@ -34,7 +35,6 @@ from ztunnel.testing.interop import (
     Impl,
     InteropMesh,
     Mode,
-    Sample,
     require_upstream,
 )
 

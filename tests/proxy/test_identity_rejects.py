@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import urllib.request
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -16,33 +15,24 @@ from typing import Any
 
 import pytest
 from cryptography import x509
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.identity.certs import build_leaf
 from ztunnel import tls
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.spiffe import Identity
-from ztunnel.testing import EchoServer, TwoNodeMesh, hbone_dial, hbone_request, node_env, running_app
+from ztunnel.testing import EchoServer, TwoNodeMesh, hbone_dial, hbone_request, node_env, running_app, scrape
 
 CLIENT = Identity("cluster.local", "default", "client")
 OTHER = Identity("cluster.local", "default", "someone-else")
 
 
 async def failed(node_ip: str) -> list[dict[str, str]]:
-    """Label sets of istio_tcp_connections_failed_total samples on a node's stats port (the ztunnels run on this
-    event loop: the scrape goes to a thread)."""
-
-    def get() -> str:
-        with urllib.request.urlopen(f"http://{node_ip}:15020/metrics", timeout=5) as resp:
-            return str(resp.read().decode())
-
-    text = await asyncio.to_thread(get)
+    """Label sets of the istio_tcp_connections_failed_total samples on a node's stats port."""
     return [
-        dict(s.labels)
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name == "istio_tcp_connections_failed_total" and s.value > 0
+        labels
+        for name, labels, value in await scrape(node_ip)
+        if name == "istio_tcp_connections_failed_total" and value
     ]
 
 
@@ -116,6 +106,25 @@ async def test_bad_client_certificate_is_refused(
     samples = await failed(m.node_b)
     flags = [s["response_flags"] for s in samples if s["reporter"] == "destination"]
     assert flags == [flag], samples
+
+
+@pytest.mark.parametrize("case", ["other trust domain", "unknown root"])
+async def test_failed_handshake_from_a_workload_ip_is_not_that_workload(
+    mesh: tuple[TwoNodeMesh, LocalCA, EchoServer], case: str
+) -> None:
+    """A handshake refused from the client workload's own IP (a certificate of another trust domain, or one that
+    does not verify) proves nothing about who the peer is: the failed connection's source labels are unknown, never
+    the workload that owns the IP (as for an accepted peer whose certificate is not that workload's)."""
+    m, ca, _ = mesh
+    make, flag, _ = CASES[case]
+    with pytest.raises(ConnectionError):
+        conn: Any = await hbone_dial((m.node_b, 15008), make(ca), local_addr=(m.node_a, 0))
+        await hbone_request(conn, f"{m.server_app[0]}:{m.server_app[1]}")
+    await asyncio.sleep(0.1)
+    (sample,) = [s for s in await failed(m.node_b) if s["reporter"] == "destination"]
+    assert sample["response_flags"] == flag
+    for label in ("source_workload", "source_workload_namespace", "source_canonical_service", "source_principal"):
+        assert sample[label] == "unknown", (label, sample)
 
 
 async def test_pod_presenting_another_pods_certificate(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -28,7 +28,17 @@ import pytest
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.relay import PlainConnection
-from ztunnel.testing import EchoServer, TwoNodeMesh, hbone_dial, hbone_request, node_env, running_app, socks5_connect
+from ztunnel.testing import (
+    EchoServer,
+    TwoNodeMesh,
+    access_fields,
+    eventually,
+    hbone_dial,
+    hbone_request,
+    node_env,
+    running_app,
+    socks5_connect,
+)
 
 CLIENT = Identity("cluster.local", "default", "client")
 ECHO_HOST = "echo.default.svc.cluster.local"
@@ -64,11 +74,7 @@ class Relay:
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             # The waypoint proxy's own outbound traffic comes from the waypoint pod's address.
-            sock = socket.socket()
-            sock.bind((self.source_ip, 0))
-            sock.connect(self.socks5)
-            sock.setblocking(False)
-            up_reader, up_writer = await socks5_via(sock, *self.target)
+            up_reader, up_writer = await socks5_connect(self.socks5, *self.target, local_addr=(self.source_ip, 0))
         except (ConnectionError, OSError) as e:
             self.errors.append(repr(e))
             writer.close()
@@ -91,20 +97,6 @@ class Relay:
             self.server.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.server.wait_closed(), 2)
-
-
-async def socks5_via(sock: socket.socket, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """``socks5_connect`` over a socket already connected to the SOCKS5 listener (bound to a chosen source)."""
-    reader, writer = await asyncio.open_connection(sock=sock)
-    writer.write(b"\x05\x01\x00")
-    if await reader.readexactly(2) != b"\x05\x00":
-        raise ConnectionError("SOCKS5 method negotiation failed")
-    writer.write(b"\x05\x01\x00\x01" + socket.inet_aton(host) + port.to_bytes(2, "big"))
-    head = await reader.readexactly(10)
-    if head[1] != 0:
-        writer.close()
-        raise ConnectionError(f"SOCKS5 reply {head[1]}")
-    return reader, writer
 
 
 def with_waypoint(m: TwoNodeMesh, reference: str) -> tuple[str, str]:
@@ -161,21 +153,7 @@ services:
 
 
 def inbound_lines(caplog: pytest.LogCaptureFixture, node_ip: str) -> list[dict[str, Any]]:
-    return [
-        dict(f)
-        for r in caplog.records
-        if r.getMessage() == "connection complete"
-        and (f := getattr(r, "fields", {})).get("direction") == "inbound"
-        and str(f.get("dst.addr", "")).startswith(f"{node_ip}:")
-    ]
-
-
-async def eventually(check: Callable[[], Any], timeout: float = 5.0) -> Any:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not (got := check()) and loop.time() < deadline:
-        await asyncio.sleep(0.01)
-    return got
+    return [f for f in access_fields(caplog.records) if str(f.get("dst.addr", "")).startswith(f"{node_ip}:")]
 
 
 @pytest.mark.parametrize("reference", ["service-hostname", "service-vip", "workload-vip"])
@@ -266,9 +244,7 @@ async def test_svc_hostname(tmp_path: Path, caplog: pytest.LogCaptureFixture, ed
                 assert status == 503
             finally:
                 conn.close("test done")
-            lines = await eventually(
-                lambda: len(inbound_lines(caplog, m.node_b)) >= 2 and inbound_lines(caplog, m.node_b)
-            )
+            lines = await eventually(lambda: inbound_lines(caplog, m.node_b), until=lambda got: len(got) >= 2)
     finally:
         await echo.stop()
     ok = [f for f in lines if "error" not in f]

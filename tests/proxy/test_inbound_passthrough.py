@@ -10,29 +10,19 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from ztunnel.proxy import inbound_passthrough
 from ztunnel.state import StateUpdate
 from ztunnel.state.workload import IPAddress
-from ztunnel.testing import EchoServer, TwoNodeMesh, running_app
+from ztunnel.testing import EchoServer, TwoNodeMesh, access_fields, eventually, running_app, scrape
 
 SERVER_UID = "Kubernetes//v1/Pod/default/server"
 ECHO_HOST = "echo.default.svc.cluster.local"
-
-
-async def eventually(check: Callable[[], Any], timeout: float = 5.0) -> Any:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not (got := check()) and loop.time() < deadline:
-        await asyncio.sleep(0.01)
-    return got
 
 
 @pytest.fixture
@@ -78,25 +68,12 @@ async def test_reports_destination_service(
     writer.write_eof()
     assert await asyncio.wait_for(reader.read(), 10) == b"x"
     writer.close()
-    lines = await eventually(
-        lambda: [
-            dict(getattr(r, "fields", {}))
-            for r in caplog.records
-            if r.getMessage() == "connection complete" and getattr(r, "fields", {}).get("direction") == "inbound"
-        ]
-    )
+    lines = await eventually(lambda: access_fields(caplog.records))
     assert [f.get("dst.service") for f in lines] == [ECHO_HOST], lines
-
-    def scrape() -> str:
-        with urllib.request.urlopen(f"http://{m.node_b}:15020/metrics", timeout=5) as resp:
-            return str(resp.read().decode())
-
-    text = await asyncio.to_thread(scrape)
     opened = [
-        dict(s.labels)
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name == "istio_tcp_connections_opened_total" and s.labels.get("reporter") == "destination"
+        labels
+        for name, labels, _ in await scrape(m.node_b)
+        if name == "istio_tcp_connections_opened_total" and labels.get("reporter") == "destination"
     ]
     assert [(s["destination_service"], s["destination_service_name"]) for s in opened] == [(ECHO_HOST, "echo")]
     assert opened[0]["connection_security_policy"] == "unknown"

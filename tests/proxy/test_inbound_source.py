@@ -14,20 +14,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from ztunnel.config import ConfigError, from_env
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.hbone.core import ErrorCode
-from ztunnel.testing import EchoServer, TwoNodeMesh, hbone_dial, hbone_request, running_app
+from ztunnel.testing import (
+    EchoServer,
+    TwoNodeMesh,
+    access_fields,
+    eventually,
+    hbone_dial,
+    hbone_request,
+    running_app,
+    scrape,
+)
 from ztunnel.testing.envoy import ORIGINATOR_LISTENER, Envoy, EnvoyTls, find_envoy, originator_config
 
 CLIENT = Identity("cluster.local", "default", "client")
@@ -43,34 +50,6 @@ ALLOW_GATEWAY = (
 def allow_gateway(text: str) -> str:
     assert ALLOW_GATEWAY[0] in text
     return text.replace(*ALLOW_GATEWAY)
-
-
-async def scrape(node_ip: str) -> list[tuple[str, dict[str, str], float]]:
-    """Every sample on a node's stats port (the ztunnels run on this event loop: the scrape goes to a thread)."""
-
-    def get() -> str:
-        with urllib.request.urlopen(f"http://{node_ip}:15020/metrics", timeout=5) as resp:
-            return str(resp.read().decode())
-
-    text = await asyncio.to_thread(get)
-    return [(s.name, dict(s.labels), s.value) for fam in text_string_to_metric_families(text) for s in fam.samples]
-
-
-async def eventually(check: Callable[[], Any], timeout: float = 5.0) -> Any:
-    """Poll ``check`` until it returns something truthy (a log line written after the stream closed)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not (got := check()) and loop.time() < deadline:
-        await asyncio.sleep(0.01)
-    return got
-
-
-def inbound_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    return [
-        dict(getattr(r, "fields", {}))
-        for r in caplog.records
-        if r.getMessage() == "connection complete" and getattr(r, "fields", {}).get("direction") == "inbound"
-    ]
 
 
 async def request(conn: Any, authority: str, headers: list[tuple[str, str]] | None = None) -> int:
@@ -101,7 +80,7 @@ async def test_another_identity_on_a_workload_ip_is_accepted_without_the_ips_wor
         assert await request(conn, target) == 200  # upstream's acceptance
     finally:
         conn.close("test done")
-    lines = await eventually(lambda: inbound_lines(caplog))
+    lines = await eventually(lambda: access_fields(caplog.records))
     assert len(lines) == 1, lines
     line = lines[0]
     # The access log: the certificate's identity; nothing of the workload that owns 127.x (the client).
@@ -135,7 +114,7 @@ async def test_another_identity_on_a_workload_ip_is_accepted_without_the_ips_wor
         assert await request(conn, target) == 200
     finally:
         conn.close("test done")
-    lines = await eventually(lambda: inbound_lines(caplog))
+    lines = await eventually(lambda: access_fields(caplog.records))
     assert lines[0]["src.workload"] == "client" and lines[0]["src.namespace"] == "default", lines
 
 
@@ -150,12 +129,12 @@ async def test_forwarded_network_skips_the_source_ip_lookup(
     conn: Any = await hbone_dial((m.node_b, 15008), ca.issue(CLIENT, timedelta(hours=1)), local_addr=(m.node_a, 0))
     try:
         assert await request(conn, target, [("x-forwarded-network", "remote-network")]) == 200
-        got = await eventually(lambda: inbound_lines(caplog))
+        got = await eventually(lambda: access_fields(caplog.records))
         assert "src.workload" not in got[0] and got[0]["src.identity"] == str(CLIENT), got
         # Our own network (the example's is ""), or no header: looked up as usual.
         caplog.clear()
         assert await request(conn, target, [("x-forwarded-network", "")]) == 200
-        got = await eventually(lambda: inbound_lines(caplog))
+        got = await eventually(lambda: access_fields(caplog.records))
         assert got[0].get("src.workload") == "client", got
     finally:
         conn.close("test done")
@@ -178,7 +157,7 @@ async def test_verify_source_identity_refuses_a_mismatch(tmp_path: Path, caplog:
                 assert await request(conn, target, [("x-forwarded-network", "remote-network")]) == 200
             finally:
                 conn.close("test done")
-            lines = await eventually(lambda: len(inbound_lines(caplog)) >= 2 and inbound_lines(caplog))
+            lines = await eventually(lambda: access_fields(caplog.records), until=lambda got: len(got) >= 2)
             errors = [str(f.get("error", "")) for f in lines]
             assert any(
                 e.startswith(f"identity mismatch: peer certificate is {GATEWAY} but source {m.node_a}") for e in errors
@@ -243,7 +222,7 @@ async def test_envoy_originator_on_a_workload_ip(
             except ConnectionResetError:
                 got = b""
             writer.close()
-            lines = await eventually(lambda: inbound_lines(caplog))
+            lines = await eventually(lambda: access_fields(caplog.records))
     finally:
         await echo.stop()
     assert len(lines) == 1, lines
@@ -299,7 +278,7 @@ async def test_denied_streams_do_not_mint_series_from_baggage(
         for label in ("source_workload", "source_workload_namespace", "source_canonical_service", "source_cluster"):
             assert labels[label] == "unknown", (label, labels)
         assert labels.get("source_region", "unknown") == "unknown" and labels.get("source_zone", "unknown") == "unknown"
-    lines = await eventually(lambda: len(inbound_lines(caplog)) >= 3 * n and inbound_lines(caplog))
+    lines = await eventually(lambda: access_fields(caplog.records), until=lambda got: len(got) >= 3 * n)
     assert all("src.workload" not in f and "src.namespace" not in f and "src.cluster" not in f for f in lines)
 
     # Accepted: the baggage of a source unknown to xDS labels the stream (upstream's derived source).

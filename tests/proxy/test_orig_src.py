@@ -25,7 +25,7 @@ import pytest
 
 from ztunnel.identity.ca import LocalCA
 from ztunnel.sockets import IP_TRANSPARENT, SOL_IP
-from ztunnel.testing import TwoNodeMesh, ZtunnelProcess, running_app, socks5_connect
+from ztunnel.testing import EchoServer, TwoNodeMesh, ZtunnelProcess, running_app, socks5_connect
 from ztunnel.testing import netns as tn
 
 
@@ -134,20 +134,6 @@ def topology() -> Iterator[tn.Topology]:
         yield topo
 
 
-async def peer_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """The app: says which address it sees as the peer, then echoes until EOF."""
-    writer.write(f"peer={writer.get_extra_info('peername')[0]}\n".encode())
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-        writer.write_eof()
-        await writer.drain()
-    except OSError:
-        pass
-    finally:
-        writer.close()
-
-
 @pytest.fixture
 async def dedicated_nodes(topology: tn.Topology, tmp_path: Path) -> AsyncIterator[tuple[tn.Node, tn.Node, Path]]:
     """node1 runs ztunnel A for "client" (node1's address), node2 ztunnel B for "server" (node2's), each dedicated
@@ -156,7 +142,7 @@ async def dedicated_nodes(topology: tn.Topology, tmp_path: Path) -> AsyncIterato
     config = tmp_path / "mesh.yaml"
     config.write_text(MESH.format(client=a.ip, server=b.ip))
     LocalCA.load_or_create(tmp_path / "ca", "cluster.local")  # once, before two processes would race to create it
-    app = await b.start_server(peer_echo, "0.0.0.0", APP_PORT)
+    app = await EchoServer(greet=True).start(sock=b.listen_tcp("0.0.0.0", APP_PORT))  # says which peer it sees
     procs: list[ZtunnelProcess] = []
     try:
         for node, workload in ((b, "default/server/server"), (a, "default/client/client")):
@@ -176,8 +162,7 @@ async def dedicated_nodes(topology: tn.Topology, tmp_path: Path) -> AsyncIterato
         yield a, b, tmp_path
     finally:
         codes = [p.stop() for p in procs]
-        app.close()
-        await app.wait_closed()
+        await app.stop()
     assert codes == [0] * len(procs), f"exit codes {codes}; logs in {tmp_path}"
 
 

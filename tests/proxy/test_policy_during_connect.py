@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from ztunnel.proxy import inbound_passthrough
 from ztunnel.rbac import Action, Authorization, Match, Scope, StringMatch, StringMatchKind
 from ztunnel.state import StateUpdate
 from ztunnel.state.workload import IPAddress
-from ztunnel.testing import HeldListener, TwoNodeMesh, hbone_dial, hbone_request, running_app
+from ztunnel.testing import HeldListener, TwoNodeMesh, access_fields, eventually, hbone_dial, hbone_request, running_app
 
 CLIENT = Identity("cluster.local", "default", "client")
 DENY_CLIENT = Authorization(
@@ -42,22 +42,6 @@ DENY_PLAINTEXT = Authorization(
     Action.DENY,
     rules=(((Match(not_principals=(StringMatch(StringMatchKind.PRESENCE),)),),),),
 )
-
-
-async def eventually(check: Callable[[], Any], timeout: float = 5.0) -> Any:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not (got := check()) and loop.time() < deadline:
-        await asyncio.sleep(0.005)
-    return got
-
-
-def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    return [
-        dict(getattr(r, "fields", {}))
-        for r in caplog.records
-        if r.getMessage() == "connection complete" and getattr(r, "fields", {}).get("direction") == "inbound"
-    ]
 
 
 @pytest.fixture
@@ -95,7 +79,7 @@ async def test_hbone_deny_while_connecting_answers_401(
     assert queued is not None
     queued.close()
     assert held.accept_nowait() is None
-    lines = await eventually(lambda: access_lines(caplog))
+    lines = await eventually(lambda: access_fields(caplog.records))
     assert [(f["error"], f["dst.hbone_addr"]) for f in lines] == [
         ("connection closed due to policy change", authority)
     ], lines
@@ -149,6 +133,6 @@ async def test_passthrough_deny_while_connecting_closes(
     writer.close()
     assert data == b""
     assert held.syn_sent() == 0
-    lines = await eventually(lambda: access_lines(caplog))
+    lines = await eventually(lambda: access_fields(caplog.records))
     assert [f.get("error") for f in lines] == ["connection closed due to policy change"], lines
     assert len(b.proxy.pi.connections) == 0

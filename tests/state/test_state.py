@@ -61,6 +61,22 @@ def test_workload_indexes() -> None:
     assert list(s.workloads.node_local_identities()) == []
 
 
+def test_find_address_and_hostname_as_upstream() -> None:
+    """Workloads before service VIPs for an address; services before workloads for a hostname."""
+    s = ProxyState()
+    pod = wl("c//v1/Pod/default/a", "10.0.0.1", hostname="a.example")
+    echo = svc(vip="10.0.0.1")  # a VIP that is also a pod's address
+    s.apply(StateUpdate(workloads=[pod], services=[echo, svc(host="other.default.svc.cluster.local", vip="10.96.0.2")]))
+    assert s.find_address(NetworkAddress("", ip("10.0.0.1"))) is s.workloads.find_uid(pod.uid)
+    assert s.find_address(NetworkAddress("", ip("10.96.0.2"))) is s.services.get(
+        NamespacedHostname("default", "other.default.svc.cluster.local")
+    )
+    assert s.find_address(NetworkAddress("", ip("10.0.0.9"))) is None
+    assert s.find_hostname(SVC) is s.services.get(SVC)
+    assert s.find_hostname(NamespacedHostname("default", "a.example")) is s.workloads.find_uid(pod.uid)
+    assert s.find_hostname(NamespacedHostname("other", "a.example")) is None
+
+
 def test_address_conflict_prefers_pods_then_hbone() -> None:
     s = ProxyState()
     se = wl("c/networking.istio.io/ServiceEntry/default/se", "10.0.0.1", protocol=InboundProtocol.HBONE)

@@ -190,8 +190,6 @@ class ProxyInputs:
     connections: ConnectionManager
     tasks: TaskGroup = field(default_factory=lambda: TaskGroup("proxy"))
     rng: random.Random = field(default_factory=random.Random)
-    # In dedicated mode the listeners are shared by every workload on the host; transparent is best effort.
-    transparent: bool = False
     # Set when XDS_ON_DEMAND=true: addresses missing from the state are asked for before deciding.
     on_demand: OnDemand | None = None
 

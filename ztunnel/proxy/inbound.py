@@ -50,14 +50,7 @@ from ztunnel.sockets import local_dst, peer_addr, set_accepted_options
 from ztunnel.state import ProxyState
 from ztunnel.state.service import Service
 from ztunnel.state.upstream import ServiceDescription
-from ztunnel.state.workload import (
-    AppTunnelProtocol,
-    IPAddress,
-    NamespacedHostname,
-    NetworkAddress,
-    NetworkMode,
-    Workload,
-)
+from ztunnel.state.workload import AppTunnelProtocol, IPAddress, NetworkAddress, NetworkMode, Workload
 
 log = logging.getLogger("ztunnel.proxy.inbound")
 
@@ -178,28 +171,15 @@ def is_destination_this_waypoint(pi: ProxyInputs, local: Workload, target: IPAdd
     referenced by hostname or by VIP), or a waypoint workload whose IPs include the dialled IP."""
     if local.application_tunnel is not None:
         return True
-    found = _find_address(pi.state, NetworkAddress(pi.config.network, target))
+    found = pi.state.find_address(NetworkAddress(pi.config.network, target))
     gw = found.waypoint if found is not None else None
     if gw is None:
         return False
     dest = gw.destination
-    waypoint = _find_address(pi.state, dest) if isinstance(dest, NetworkAddress) else _find_hostname(pi.state, dest)
+    waypoint = pi.state.find_address(dest) if isinstance(dest, NetworkAddress) else pi.state.find_hostname(dest)
     if isinstance(waypoint, Service):
         return local.uid in waypoint.endpoints
     return waypoint is not None and conn_dst in waypoint.workload_ips
-
-
-def _find_address(state: ProxyState, addr: NetworkAddress) -> Workload | Service | None:
-    """A workload at ``addr``, else the service with that VIP (upstream ``find_address``: workloads first)."""
-    return state.workloads.find_address(addr) or state.services.get_best_by_vip(addr, None)
-
-
-def _find_hostname(state: ProxyState, name: NamespacedHostname) -> Workload | Service | None:
-    """The service ``namespace/hostname``, else a workload with that hostname (upstream ``find_hostname``)."""
-    svc = state.services.get(name)
-    if svc is not None:
-        return svc
-    return next((w for w in state.workloads if w.hostname == name.hostname and w.namespace == name.namespace), None)
 
 
 def services_of(state: ProxyState, workload: Workload) -> list[Service]:
@@ -348,8 +328,8 @@ class Inbound:
         if flag is None:
             log_failed(Direction.INBOUND, src, dst, error)
             return
+        # No source workload: the handshake failed, so nothing proves the peer is the workload at its IP.
         record = ConnectionRecord(direction=Direction.INBOUND, src=src, dst=dst, mtls=True)
-        record.src_workload = self.pi.state.workloads.find_address(_naddr(self.pi, src[0]))
         local = self.pi.local.find()
         if local is not None:
             record.dst_workload = local

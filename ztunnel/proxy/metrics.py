@@ -23,9 +23,9 @@ from ztunnel.state.workload import Workload
 
 UNKNOWN = "unknown"
 FLUSH_INTERVAL = 5.0
-# Label values a peer supplies (the baggage header fills every derived-source label; the destination service came
-# from the peer's ``forwarded`` header) are cut to these lengths, ending in "...", so one request cannot make a
-# series of megabytes: 3,000 requests with distinct 4 KB baggage took /metrics to 14 MB. 253 is the longest
+# Label values are cut to these lengths, ending in "...": a peer supplies every derived-source label (the baggage
+# header), and one request must not make a series of megabytes: 3,000 requests with distinct 4 KB baggage took
+# /metrics to 14 MB. 253 is the longest
 # Kubernetes object name and DNS hostname (a DNS subdomain; namespaces, label values and revisions are at most 63),
 # so no legitimate value is cut. Principals are SPIFFE identities, at most 9 + 253 + 4 + 63 + 4 + 253 = 586
 # characters ("spiffe://" trust domain, "/ns/" namespace, "/sa/" service account).
@@ -70,14 +70,11 @@ def _bounded(value: str | None, limit: int = MAX_LABEL_CHARS) -> str | None:
 
 
 def _v(value: str | None) -> str:
-    if not value:
-        return UNKNOWN
-    return value if len(value) <= MAX_LABEL_CHARS else value[: MAX_LABEL_CHARS - len(_CUT)] + _CUT
+    return _bounded(value) or UNKNOWN
 
 
 def _principal(identity: Identity) -> str:
-    text = str(identity)
-    return text if len(text) <= MAX_PRINCIPAL_CHARS else text[: MAX_PRINCIPAL_CHARS - len(_CUT)] + _CUT
+    return _bounded(str(identity), MAX_PRINCIPAL_CHARS) or UNKNOWN
 
 
 # Label sets of recent connections, keyed by what they are computed from. Workloads are compared by identity (they
@@ -99,9 +96,6 @@ def traffic_labels(
     flag: ResponseFlag,
 ) -> Labels:
     """Upstream's ``CommonTrafficLabels``, in encoding order (cached per source, destination and the rest)."""
-    if service is not None and max(len(service[0]), len(service[1]), len(service[2])) > MAX_LABEL_CHARS:
-        # A peer-named service (inbound ``forwarded: host=``): bounded before it becomes a cache key.
-        service = (_v(service[0]), _v(service[1]), _v(service[2]))
     key = (reporter, id(source), derived_source, id(destination), service, mtls, flag)
     hit = _LABEL_CACHE.get(key)
     if hit is not None and hit[0] is source and hit[1] is destination:

@@ -208,7 +208,6 @@ class Outbound:
     def __init__(self, pi: ProxyInputs) -> None:
         self.pi = pi
         self.servers: list[asyncio.Server] = []
-        self.transparent = False
         self.hbone_port = 15008
 
     async def start(self) -> None:
@@ -217,8 +216,8 @@ class Outbound:
         socks = self.pi.sockets.listeners(
             cfg.outbound_addr, reuse_port=cfg.inpod_port_reuse, transparent=cfg.enable_orig_src, ipv6=cfg.ipv6_enabled
         )
-        for sock, transparent in socks:
-            self.transparent = self.transparent or transparent
+        # Whether IP_TRANSPARENT took matters only to the inbound listeners (they spoof); outbound never does.
+        for sock, _ in socks:
             self.servers.append(await loop.create_server(lambda: PlainConnection(self._accepted), sock=sock))
 
     @property

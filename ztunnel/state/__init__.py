@@ -58,11 +58,20 @@ class ProxyState:
     # -- lookups -------------------------------------------------------------------------------------------------
 
     def find_address(self, addr: NetworkAddress, client_ns: str | None = None) -> Workload | Service | None:
-        """A service VIP first (preferring the client's namespace), else the workload at that address."""
-        svc = self.services.get_best_by_vip(addr, client_ns)
+        """The workload at that address, else the service with that VIP (preferring the client's namespace), as
+        upstream's ``find_address``."""
+        workload = self.workloads.find_address(addr)
+        if workload is not None:
+            return workload
+        return self.services.get_best_by_vip(addr, client_ns)
+
+    def find_hostname(self, name: NamespacedHostname) -> Workload | Service | None:
+        """The service ``namespace/hostname``, else a workload with that hostname (upstream's ``find_hostname``: the
+        workload fallback is a scan, as upstream's, since it is rare: a waypoint referenced by a workload's name)."""
+        svc = self.services.get(name)
         if svc is not None:
             return svc
-        return self.workloads.find_address(addr)
+        return next((w for w in self.workloads if w.hostname == name.hostname and w.namespace == name.namespace), None)
 
     def find_service_by_hostname(self, hostname: str, client_ns: str | None = None) -> Service | None:
         return self.services.get_best_by_host(hostname, client_ns)

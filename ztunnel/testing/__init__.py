@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import os
 import socket
 import ssl
@@ -16,12 +17,14 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 if TYPE_CHECKING:
     from ztunnel.testing.netns import Netns
+
+T = TypeVar("T")
 
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
 TWO_NODE = EXAMPLES / "two-node.yaml"
@@ -78,8 +81,12 @@ class EchoServer:
         self.received = 0
         self.connections = 0
 
-    async def start(self, host: str, port: int) -> EchoServer:
-        self.server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
+    async def start(self, host: str | None = None, port: int = 0, *, sock: socket.socket | None = None) -> EchoServer:
+        """Listen on ``host:port``, or on the listening ``sock`` (e.g. one made in a network namespace)."""
+        if sock is not None:
+            self.server = await asyncio.start_server(self._handle, sock=sock)
+        else:
+            self.server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
         return self
 
     @property
@@ -165,11 +172,65 @@ class HeldListener:
         self.sock.close()
 
 
+async def eventually(check: Callable[[], T], timeout: float = 5.0, until: Callable[[T], object] = bool) -> T:
+    """Poll ``check`` every 10 ms until ``until`` holds for its result (by default: it is truthy), at most
+    ``timeout`` seconds; e.g. an access line or a sample written a moment after the client saw the end. Returns the
+    last result, whether or not it got there, so the caller's assert says what was missing."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        got = check()
+        if until(got) or loop.time() >= deadline:
+            return got
+        await asyncio.sleep(0.01)
+
+
+def access_fields(records: Iterable[logging.LogRecord], direction: str = "inbound") -> list[dict[str, Any]]:
+    """The fields of each access-log ``connection complete`` record of ``direction`` (e.g. pytest's
+    ``caplog.records``), in order."""
+    out = []
+    for r in records:
+        fields = getattr(r, "fields", None)
+        if fields is not None and r.getMessage() == "connection complete" and fields.get("direction") == direction:
+            out.append(dict(fields))
+    return out
+
+
+class Sample(NamedTuple):
+    """One metric sample as scraped."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+def scrape_now(host: str, port: int = 15020) -> list[Sample]:
+    """Every sample on a ztunnel's stats port, blocking (both this project and upstream serve OpenMetrics text).
+    Call it through :func:`scrape` from a loop that runs a ztunnel, or through ``Netns.run`` in a namespace."""
+    import urllib.request
+
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as resp:
+        text = str(resp.read().decode())
+    return [
+        Sample(s.name, dict(s.labels), float(s.value))
+        for fam in text_string_to_metric_families(text)  # type: ignore[no-untyped-call]
+        for s in fam.samples
+    ]
+
+
+async def scrape(host: str, port: int = 15020) -> list[Sample]:
+    """:func:`scrape_now` in a thread: the ztunnel may be running on this event loop."""
+    return await asyncio.to_thread(scrape_now, host, port)
+
+
 async def socks5_connect(
-    proxy: tuple[str, int], host: str, port: int
+    proxy: tuple[str, int], host: str, port: int, local_addr: tuple[str, int] | None = None
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A SOCKS5 CONNECT (no auth) through ``proxy``; raises ConnectionError with the reply code on failure."""
-    reader, writer = await asyncio.open_connection(*proxy)
+    """A SOCKS5 CONNECT (no auth) through ``proxy``, from ``local_addr`` if given; raises ConnectionError with the
+    reply code on failure."""
+    reader, writer = await asyncio.open_connection(*proxy, local_addr=local_addr)
     writer.write(b"\x05\x01\x00")
     if await reader.readexactly(2) != b"\x05\x00":
         raise ConnectionError("SOCKS5 method negotiation failed")

@@ -38,14 +38,11 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.request
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from ztunnel.inpod.nodeagent import PodInfo, ZdsServer
-from ztunnel.testing import EchoServer, ZtunnelProcess, socks5_connect, with_parent_death_signal
+from ztunnel.testing import EchoServer, Sample, ZtunnelProcess, scrape_now, socks5_connect, with_parent_death_signal
 from ztunnel.testing import netns as tn
 
 __all__ = [
@@ -155,15 +152,6 @@ def require_upstream() -> str:
     return os.environ[UPSTREAM_BIN_ENV]
 
 
-@dataclass(frozen=True)
-class Sample:
-    """One ``istio_tcp_*`` sample as scraped."""
-
-    name: str
-    labels: Mapping[str, str]
-    value: float
-
-
 class InteropMesh:
     """Topology, control plane, apps (and node agents in ``inpod``) for one mode; ztunnels come and go with
     :meth:`start` / :meth:`stop`. Use as a context manager."""
@@ -173,7 +161,6 @@ class InteropMesh:
         self.workdir = workdir
         self.upstream_bin = upstream_bin
         self.ztunnels: dict[str, ZtunnelProcess] = {}
-        self.impls: dict[str, Impl] = {}
         self.logs: dict[str, Path] = {}
         self.agents: dict[str, ZdsServer] = {}
         self._snapshots: dict[str, int] = {}
@@ -311,7 +298,6 @@ class InteropMesh:
                 argv += ["-m", "ztunnel"]
             argv += ["proxy", "ztunnel"]
             self.logs[node] = self.workdir / f"run{self._runs}-{node}-{impl}.log"
-            self.impls[node] = impl
             self.ztunnels[node] = ZtunnelProcess(
                 self.env(node), self.logs[node], argv=argv, netns=self.nodes[node], kill_with_parent=True
             ).start(timeout=30)
@@ -324,9 +310,6 @@ class InteropMesh:
         codes = {node: z.stop() for node, z in self.ztunnels.items()}
         self.ztunnels.clear()
         return codes
-
-    def describe(self) -> str:
-        return ", ".join(f"{node}: {impl}" for node, impl in self.impls.items())
 
     def log_text(self, name: str, tail: int = 300) -> str:
         """The last ``tail`` lines of a process log (``node1``, ``node2`` or ``control-plane``)."""
@@ -353,22 +336,8 @@ class InteropMesh:
         return self.clients.call(asyncio.wait_for(_attempt(host, port, socks), timeout), timeout + 5)
 
     def scrape(self, node: str) -> list[Sample]:
-        """The ``istio_tcp_*`` samples of ``node``'s ztunnel (``:15020/metrics``, parsed by prometheus_client)."""
-        from prometheus_client.openmetrics.parser import text_string_to_metric_families
-
-        ip = self.nodes[node].ip
-
-        def get() -> str:
-            with urllib.request.urlopen(f"http://{ip}:15020/metrics", timeout=5) as r:
-                return str(r.read().decode())
-
-        text = self.nodes[node].run(get)
-        return [
-            Sample(s.name, dict(s.labels), float(s.value))
-            for fam in text_string_to_metric_families(text)  # type: ignore[no-untyped-call]
-            if fam.name.startswith("istio_tcp_")
-            for s in fam.samples
-        ]
+        """The ``istio_tcp_*`` samples of ``node``'s ztunnel (``:15020/metrics``, scraped inside the node)."""
+        return [s for s in self.nodes[node].run(scrape_now, self.nodes[node].ip) if s.name.startswith("istio_tcp_")]
 
     # -- teardown ----------------------------------------------------------------------------------------------------
 

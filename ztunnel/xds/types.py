@@ -110,10 +110,15 @@ class ConversionError(ValueError):
 
 def ip_from_bytes(raw: bytes, field: str) -> IPAddress:
     """Raw IP bytes (4 or 16 long, upstream ``byte_to_ip``) as an address, IPv4-mapped IPv6 canonicalised."""
+    return canonical_ip(_raw_ip(raw, field))
+
+
+def _raw_ip(raw: bytes, field: str) -> IPAddress:
+    """Raw IP bytes (4 or 16 long) as an address, exactly as sent (a mapped IPv6 address stays IPv6)."""
     if len(raw) == 4:
         return ipaddress.IPv4Address(raw)
     if len(raw) == 16:
-        return canonical_ip(ipaddress.IPv6Address(raw))
+        return ipaddress.IPv6Address(raw)
     raise ConversionError(field, f"IP address must be 4 or 16 bytes, got {len(raw)}")
 
 
@@ -345,14 +350,7 @@ def _cidr(a: sec_pb.Address, field: str) -> IPNetwork:
     IPv6 network, as upstream's ``IpNet::new(byte_to_ip(..), length)``. Connection addresses are canonical (IPv4),
     and a network matches only addresses of its own family, so a mapped CIDR matches no IPv4 peer (upstream's
     ``IpNet::contains``). Host bits are kept out of the match, as ``IpNet::contains`` masks them."""
-    raw = a.address
-    ip: IPAddress
-    if len(raw) == 4:
-        ip = ipaddress.IPv4Address(raw)
-    elif len(raw) == 16:
-        ip = ipaddress.IPv6Address(raw)
-    else:
-        raise ConversionError(field, f"IP address must be 4 or 16 bytes, got {len(raw)}")
+    ip = _raw_ip(a.address, field)
     full = 32 if ip.version == 4 else 128
     if a.length > full:
         raise ConversionError(field, f"invalid CIDR {ip}/{a.length}: prefix length {a.length} > {full}")
