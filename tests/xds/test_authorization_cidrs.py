@@ -157,6 +157,25 @@ def test_malformed_cidr_nacks_the_policy_and_applies_the_others(match: sec.Match
     assert [p.key for p in state.policies] == ["ns/good"]
 
 
+def test_a_nacked_update_keeps_the_previous_version_of_the_policy() -> None:
+    # README: a NACKed policy is not enforced until a valid one arrives; the version already held stays.
+    state = ProxyState()
+    cfg = from_env({"XDS_ADDRESS": "https://cp:15012", "POD_NAME": "zt", "POD_NAMESPACE": "istio-system"})
+    core = DeltaAdsState(build_node(cfg), [AddressHandler(state), AuthorizationHandler(state)], False)
+
+    def push(p: sec.Authorization, version: str) -> XdsSignal:
+        any_p = any_pb2.Any(type_url=AUTHORIZATION_TYPE, value=p.SerializeToString())
+        resource = pb.Resource(name="ns/p", version=version, resource=any_p)
+        response = pb.DeltaDiscoveryResponse(type_url=AUTHORIZATION_TYPE, nonce=f"n{version}", resources=[resource])
+        return core.receive(response).signal
+
+    assert push(policy(sec.DENY, sec.Match(source_ips=[addr("10.0.0.0/8")])), "1") is XdsSignal.ACK
+    broken = sec.Match(source_ips=[sec.Address(address=b"\x0a\x00\x00", length=8)])
+    assert push(policy(sec.DENY, broken), "2") is XdsSignal.NACK
+    assert not allowed(state, "10.1.2.3", None)  # version 1 still denies 10/8
+    assert allowed(state, "192.168.0.1", None)
+
+
 # -- xDS and local config agree ------------------------------------------------------------------------------------
 
 v4 = st.integers(0, 2**32 - 1).map(ipaddress.IPv4Address)
