@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 
 from ztunnel.config import from_env
+from ztunnel.dns.forwarder import ResolvConf
 from ztunnel.testing import EchoServer, TwoNodeMesh, running_app
 
 SCHEMA = json.loads((Path(__file__).parent / "config_dump.schema.json").read_text())
@@ -160,7 +161,7 @@ def test_schema_rejects_a_broken_dump() -> None:
 def _dump_with(workload_state: dict[str, Any]) -> dict[str, Any]:
     empty: dict[str, Any] = {"workloads": [], "services": [], "policies": [], "stagedServices": {}}
     static: dict[str, list[Any]] = {"workloads": [], "policies": [], "services": []}
-    config = from_env({}).to_json()
+    config = from_env({}).to_json(ResolvConf.load().to_json())
     return {**empty, "staticConfig": static, "version": {}, "config": config, "certificates": [], **workload_state}
 
 

@@ -13,6 +13,7 @@ from ztunnel.config import (
     parse_duration,
     parse_socket_address,
 )
+from ztunnel.dns.forwarder import ResolvConf
 
 DEDICATED = {"PROXY_MODE": "dedicated", "PROXY_WORKLOAD_INFO": "default/local/default"}
 
@@ -316,7 +317,7 @@ def test_parse_socket_address() -> None:
 
 
 def test_config_json_hides_token() -> None:
-    out = from_env({"AUTH_TOKEN": "s3cret"}).to_json()
+    out = from_env({"AUTH_TOKEN": "s3cret"}).to_json(ResolvConf.load().to_json())
     assert "s3cret" not in repr(out)
     assert out["auth"] == {"token": "set"}
     assert out["inboundAddr"] == "[::]:15008"

@@ -59,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: invalid configuration: {e}\n")
         return 1
     if command == "config":
-        sys.stdout.write(json.dumps(config.to_json(), indent=2, sort_keys=True) + "\n")
+        from ztunnel.dns.forwarder import ResolvConf
+
+        dump = config.to_json(ResolvConf.load().to_json())
+        sys.stdout.write(json.dumps(dump, indent=2, sort_keys=True) + "\n")
         return 0
     return _run_proxy(config)
 

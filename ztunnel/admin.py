@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from ztunnel import __version__, telemetry
 from ztunnel.config import Config, SocketAddress
+from ztunnel.dns.forwarder import ResolvConf
 from ztunnel.http import HttpServer
 from ztunnel.identity.manager import CertificateState
 from ztunnel.identity.spiffe import Identity
@@ -270,6 +271,8 @@ class AdminServer:
         self.shutdown = shutdown
         self.local_config = local_config
         self.workload_state = workload_state
+        # The resolver config is read once, as upstream reads it at start (and a missing file warns once).
+        self.resolver = ResolvConf.load().to_json()
         self._http: HttpServer | None = None
         self.addresses: list[tuple[str, int]] = []
 
@@ -284,7 +287,7 @@ class AdminServer:
             },
             "staticConfig": static_config_json(self.local_config),
             "version": {"version": __version__, "component": "ztunnel"},
-            "config": self.config.to_json(),
+            "config": self.config.to_json(self.resolver),
             "certificates": certificates_json(self.certificates()),
         }
         if self.workload_state is not None:

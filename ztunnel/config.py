@@ -247,7 +247,7 @@ class Config:
         ns = self.pod_namespace or ""
         return f"ztunnel~{ip}~{self.pod_name or ''}.{ns}~{ns}.svc.cluster.local"  # literal domain, as upstream
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, resolver: Mapping[str, Any]) -> dict[str, Any]:
         """The effective configuration as upstream's ``/config_dump`` ``config`` object (``ztunnel config`` prints
         the same): upstream's key names and serde shapes (``config.rs`` ``Config``), then this project's own keys.
 
@@ -255,8 +255,9 @@ class Config:
         ``"ip:port"``; those it types ``Address`` (admin, stats, readiness, DNS) as ``{"Localhost": [ipv6, port]}``
         or ``{"SocketAddr": "ip:port"}``; root certificates as ``{"File": path}``, ``"Default"`` (``SYSTEM``) or
         ``"Static"`` (inline PEM, not shown); headers as ``[name, value]`` pairs. Secrets never leave the process:
-        the token is shown only as set or not. Reads ``/etc/resolv.conf`` (``dnsResolverCfg``) and checks whether
-        the root certificate paths exist, as upstream decides at start.
+        the token is shown only as set or not. ``resolver`` is the ``dnsResolverCfg``/``dnsResolverOpts`` pair
+        (``ResolvConf.to_json``), read once by the caller as upstream reads it at start; this checks whether the
+        root certificate paths exist.
         """
         ipv6 = self.ipv6_enabled
         identity = self.ztunnel_identity
@@ -299,7 +300,7 @@ class Config:
             "numWorkerThreads": self.worker_threads,
             "requireOriginalSource": self.enable_orig_src,
             "proxyArgs": self.proxy_args,
-            **_dns_resolver(),
+            **resolver,
             "inpodUds": self.inpod_uds,
             "inpodPortReuse": self.inpod_port_reuse,
             "packetMark": self.packet_mark,
@@ -361,22 +362,6 @@ def _workload_info(info: WorkloadInfo | None) -> dict[str, str] | None:
     if info is None:
         return None
     return {"name": info.name, "namespace": info.namespace, "serviceAccount": info.service_account}
-
-
-def _dns_resolver() -> dict[str, Any]:
-    """``dnsResolverCfg`` / ``dnsResolverOpts``: the nameservers the DNS proxy forwards to (``/etc/resolv.conf``),
-    in the shape of upstream's resolver config (hickory's field names), and the options this forwarder uses."""
-    from ztunnel.dns.forwarder import DEFAULT_ATTEMPTS, ResolvConf  # local: the DNS package imports this module
-
-    conf = ResolvConf.load()
-    servers = [
-        {"ip": str(ns.ip), "connections": [{"port": ns.port, "protocol": {"type": t}} for t in ("udp", "tcp")]}
-        for ns in conf.nameservers
-    ]
-    return {
-        "dnsResolverCfg": {"domain": None, "search": [str(n) for n in conf.search], "name_servers": servers},
-        "dnsResolverOpts": {"attempts": DEFAULT_ATTEMPTS, "timeout": conf.timeout},
-    }
 
 
 def _jsonable(value: Any) -> Any:

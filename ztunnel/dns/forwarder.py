@@ -97,6 +97,18 @@ class ResolvConf:
                 log.warning("DNS proxy: ignoring nameserver %r in %s: not an IP address", str(ns), path)
         return cls(tuple(servers), tuple(r.search), float(r.timeout) if r.timeout else DEFAULT_TRY_TIMEOUT)
 
+    def to_json(self) -> dict[str, Any]:
+        """``dnsResolverCfg`` / ``dnsResolverOpts`` of ``/config_dump``: the nameservers forwarded to, in the shape
+        of upstream's resolver config (hickory's field names), and the options this forwarder uses."""
+        servers = [
+            {"ip": str(ns.ip), "connections": [{"port": ns.port, "protocol": {"type": t}} for t in ("udp", "tcp")]}
+            for ns in self.nameservers
+        ]
+        return {
+            "dnsResolverCfg": {"domain": None, "search": [str(n) for n in self.search], "name_servers": servers},
+            "dnsResolverOpts": {"attempts": DEFAULT_ATTEMPTS, "timeout": self.timeout},
+        }
+
 
 class SystemForwarder:
     """Forwards to fixed nameservers; search domains per pod (shared mode) or from resolv.conf (dedicated)."""
