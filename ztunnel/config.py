@@ -875,17 +875,19 @@ def _no_effect_warnings(e: _Env, pc: _ProxyConfig, worker_threads: int) -> tuple
         f"the data plane runs on one event loop (worker threads are not implemented), so the worker count it sets "
         f"({worker_threads}, shown as numWorkerThreads) is not used"
     )
-    for name in _WORKER_VARIABLES:
-        raw = e.raw(name)
-        if raw is not None:
-            out.append(f"{name}={raw!r} has no effect yet: {one_loop}")
+    # One line for all of them: the chart sets the CPU limit and request on every pod (downward API), and a warning
+    # per variable at every start would teach operators to skip warnings.
+    given = [f"{name}={raw!r}" for name in _WORKER_VARIABLES if (raw := e.raw(name)) is not None]
     if pc.concurrency is not None:
-        out.append(f"{pc.concurrency_source} concurrency={pc.concurrency} has no effect yet: {one_loop}")
+        given.append(f"{pc.concurrency_source} concurrency={pc.concurrency}")
+    if given:
+        out.append(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect yet: {one_loop}")
     raw = e.raw("LOCALHOST_APP_TUNNEL")
     if raw is not None:
         out.append(
             f"LOCALHOST_APP_TUNNEL={raw!r} has no effect yet: the PROXY-protocol application tunnel (a workload's "
-            "applicationTunnel) is not implemented, so there is no app tunnel to route over loopback"
+            "applicationTunnel) is not implemented (such streams are refused with 503), so there is no app tunnel "
+            "to route over loopback"
         )
     return tuple(out)
 
