@@ -103,7 +103,7 @@ async def test_logging_endpoint(tmp_path: Path) -> None:
 
 
 async def test_profiling_endpoints_are_absent(tmp_path: Path) -> None:
-    # Upstream serves pprof CPU and heap profiles here; they are not implemented (README, Compatibility): a clear
+    # Upstream serves pprof CPU and heap profiles here; they are not implemented (docs/compatibility.md): a clear
     # 404, never a page that looks like a profile.
     m = TwoNodeMesh(tmp_path)
     async with running_app(m.env_a()):

@@ -1,9 +1,10 @@
-"""Every documented setting has its effect, or says it has none: README's configuration tables, the registry in
+"""Every documented setting has its effect, or says it has none: the configuration tables (docs/configuration.md), the
+registry in
 ``ztunnel/config.py`` (``SETTINGS``) and the code are checked against each other, so a setting that is parsed and
 then ignored cannot come back unnoticed.
 
-* README <-> registry: every row of the tables under "## Configuration" is one registry entry with the same variable
-  names, and vice versa; rows of settings without effect say "no effect", rows of refused settings say "refused".
+* docs <-> registry: every row of the tables under "## Environment variables" in docs/configuration.md is one
+  registry entry with the same variable names, and vice versa; rows of settings without effect say "no effect", rows of refused settings say "refused".
 * registry <-> Config: every ``Config`` field is set by some entry (or is a declared derived field); every field of an
   implemented entry is read somewhere in ``ztunnel/`` outside ``config.py`` (found with the AST: an attribute of that
   name, or a ``Config`` property reading it that is itself read), and no field of a no-effect or refused entry is (a
@@ -29,15 +30,17 @@ from ztunnel.config import DERIVED_FIELDS, SETTINGS, Config, ConfigError, Settin
 from ztunnel.testing import TwoNodeMesh, running_app
 
 ROOT = Path(__file__).resolve().parent.parent
+CONFIGURATION = ROOT / "docs" / "configuration.md"
 PACKAGE = ROOT / "ztunnel"
 NAME = re.compile(r"`([A-Z][A-Z0-9_]*(?:<K>|\*)?)`")
 
 
-def readme_rows(text: str | None = None) -> list[tuple[frozenset[str], str]]:
-    """(variable names of the first cell, whole row) for every table row under README's "## Configuration"."""
+def doc_rows(text: str | None = None) -> list[tuple[frozenset[str], str]]:
+    """(variable names of the first cell, whole row) for every table row under docs/configuration.md's
+    "## Environment variables"."""
     if text is None:
-        text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
+        text = CONFIGURATION.read_text(encoding="utf-8")
+    section = text.split("\n## Environment variables\n", 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in section.splitlines():
         if not line.startswith("|") or set(line) <= set("|-: "):
@@ -46,14 +49,16 @@ def readme_rows(text: str | None = None) -> list[tuple[frozenset[str], str]]:
         if first.strip() == "Variable":
             continue
         names = frozenset(NAME.findall(first))
-        assert names, f"README configuration row without a variable name: {line}"
+        assert names, f"docs/configuration.md row without a variable name: {line}"
         rows.append((names, line))
     return rows
 
 
-def test_readme_parser_finds_the_rows() -> None:
-    table = "\n## Configuration\n\n| Variable | Default | Meaning |\n|---|---|---|\n| `A_B` / `C_<K>` | 1 | x |\n"
-    assert readme_rows(table + "\n## Next\n| `Z` | | |\n") == [
+def test_doc_parser_finds_the_rows() -> None:
+    table = (
+        "\n## Environment variables\n\n| Variable | Default | Meaning |\n|---|---|---|\n| `A_B` / `C_<K>` | 1 | x |\n"
+    )
+    assert doc_rows(table + "\n## Next\n| `Z` | | |\n") == [
         (frozenset({"A_B", "C_<K>"}), "| `A_B` / `C_<K>` | 1 | x |")
     ]
 
@@ -62,26 +67,28 @@ def entry_of(names: frozenset[str]) -> Setting | None:
     return next((s for s in SETTINGS if frozenset(s.names) == names), None)
 
 
-def test_every_readme_row_is_in_the_registry_and_back() -> None:
-    rows = readme_rows()
+def test_every_documented_row_is_in_the_registry_and_back() -> None:
+    rows = doc_rows()
     missing = [sorted(names) for names, _ in rows if entry_of(names) is None]
-    assert missing == [], f"README rows without a registry entry (ztunnel/config.py SETTINGS): {missing}"
+    assert missing == [], f"docs/configuration.md rows without a registry entry (ztunnel/config.py SETTINGS): {missing}"
     documented = {names for names, _ in rows}
     undocumented = [s.names for s in SETTINGS if frozenset(s.names) not in documented]
-    assert undocumented == [], f"registry entries without a README row: {undocumented}"
-    assert len(documented) == len(rows), "two README rows with the same variables"
+    assert undocumented == [], f"registry entries without a docs/configuration.md row: {undocumented}"
+    assert len(documented) == len(rows), "two docs/configuration.md rows with the same variables"
 
 
-def test_readme_rows_say_what_has_no_effect_and_what_is_refused() -> None:
-    for names, row in readme_rows():
+def test_doc_rows_say_what_has_no_effect_and_what_is_refused() -> None:
+    for names, row in doc_rows():
         entry = entry_of(names)
         assert entry is not None
         if entry.warns_when:
-            assert "no effect" in row, f"README must say {sorted(names)} has no effect: {row}"
+            assert "no effect" in row, f"docs/configuration.md must say {sorted(names)} has no effect: {row}"
         if entry.refused_when:
-            assert "refused" in row, f"README must say {sorted(names)} is refused: {row}"
+            assert "refused" in row, f"docs/configuration.md must say {sorted(names)} is refused: {row}"
         if entry.support is Support.IMPLEMENTED and not entry.warns_when:
-            assert "no effect" not in row, f"README says {sorted(names)} has no effect, the registry does not: {row}"
+            assert "no effect" not in row, (
+                f"docs/configuration.md says {sorted(names)} has no effect, the registry does not: {row}"
+            )
 
 
 def test_registry_is_consistent() -> None:
@@ -142,7 +149,9 @@ def test_implemented_settings_are_read_and_the_others_are_not() -> None:
     stale = sorted(
         (f, s.names) for s in SETTINGS if s.support is not Support.IMPLEMENTED for f in s.fields if f in used
     )
-    assert stale == [], f"settings declared without effect whose field is read (update SETTINGS and README): {stale}"
+    assert stale == [], (
+        f"settings declared without effect whose field is read (update SETTINGS and docs/configuration.md): {stale}"
+    )
 
 
 def test_the_ast_check_can_fail(tmp_path: Path) -> None:

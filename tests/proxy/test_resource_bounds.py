@@ -3,7 +3,7 @@ cleanly and recovers, and one stalled stream on a pooled connection that neither
 
 Node A and node B run as separate processes (:func:`tests.robustness.two_nodes`), so RSS, descriptors and CPU time
 are each process's own; the echo app and the clients live in the test. ``make robustness`` runs the 10,000-tunnel
-version of the first test and prints the numbers (see the README's Robustness section). One sans-IO test bounds what
+version of the first test and prints the numbers (see docs/robustness.md). One sans-IO test bounds what
 a long-lived pooled connection remembers about the streams it has carried.
 """
 
@@ -41,7 +41,7 @@ from ztunnel.testing import EchoServer, TwoNodeMesh, running_app
 from .hbone.test_core import connected, frames, pump
 
 MiB = 1024 * 1024
-KiB_PER_IDLE_TUNNEL = 32  # measured ~10 KiB on each side (README); a relay buffer allocated up front would be 256
+KiB_PER_IDLE_TUNNEL = 32  # measured ~7 KiB a side (docs/robustness.md); a relay buffer allocated up front would be 256
 
 
 async def test_idle_tunnels_fit_in_bounded_memory(tmp_path: Path) -> None:

@@ -158,7 +158,7 @@ def test_malformed_cidr_nacks_the_policy_and_applies_the_others(match: sec.Match
 
 
 def test_a_nacked_update_keeps_the_previous_version_of_the_policy() -> None:
-    # README: a NACKed policy is not enforced until a valid one arrives; the version already held stays.
+    # docs/security.md: a NACKed policy is not enforced until a valid one arrives; the version already held stays.
     state = ProxyState()
     cfg = from_env({"XDS_ADDRESS": "https://cp:15012", "POD_NAME": "zt", "POD_NAMESPACE": "istio-system"})
     core = DeltaAdsState(build_node(cfg), [AddressHandler(state), AuthorizationHandler(state)], False)
