@@ -417,6 +417,91 @@ def check_paths(text: str, source: Path) -> list[str]:
     return problems
 
 
+# -- the layer diagram ---------------------------------------------------------------------------------------------
+
+ARCHITECTURE = DOCS_DIR / "architecture.md"
+LAYERS = ("config", "identity", "state/rbac", "proxy", "factory", "app", "CLI")  # bottom to top
+# The one upward import docs/architecture.md names ("One import points up: ...").
+UPWARD_ALLOWED = frozenset({("ztunnel/config.py", "ztunnel/identity/spiffe.py")})
+
+
+def layer_diagram(text: str) -> dict[str, int]:
+    """{path as written (``ztunnel/proxy/``, ``ztunnel/app.py``): layer index} from the first block under
+    "## Layers"."""
+    section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    _, blocks = split_fences(section)
+    layers: dict[str, int] = {}
+    current = -1
+    for line in blocks[0][2]:
+        words = line.split()
+        if words and words[0] in LAYERS:
+            current = LAYERS.index(words[0])
+        for path in re.findall(r"ztunnel/[\w/.]*", line):
+            assert current >= 0, f"{path} before any layer name"
+            layers[path] = current
+    return layers
+
+
+def layer_of(path: str, layers: dict[str, int]) -> int | None:
+    """The layer of a file: its own entry, else the longest directory entry containing it."""
+    if path in layers:
+        return layers[path]
+    dirs = [d for d in layers if d.endswith("/") and path.startswith(d)]
+    return layers[max(dirs, key=len)] if dirs else None
+
+
+def imported_files(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, file of the tree) for every import of ``ztunnel``/``xds`` in ``path``, local and TYPE_CHECKING ones
+    included: ``from ztunnel import tls`` is ``ztunnel/tls.py``, ``from ztunnel.proxy import Proxy`` is
+    ``ztunnel/proxy/__init__.py``."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            candidates = [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            candidates = [(base, a.name) for a in node.names]
+        else:
+            continue
+        for module, name in candidates:
+            if module.split(".")[0] not in ("ztunnel", "xds"):
+                continue
+            target = ROOT.joinpath(*module.split("."))
+            if name is not None and (target / f"{name}.py").is_file():
+                target = target / f"{name}.py"
+            elif name is not None and (target / name / "__init__.py").is_file():
+                target = target / name / "__init__.py"
+            elif (target / "__init__.py").is_file():
+                target = target / "__init__.py"
+            else:
+                target = target.with_suffix(".py")
+            yield node.lineno, rel(target)
+
+
+def layer_problems(layers: dict[str, int]) -> tuple[list[str], set[tuple[str, str]]]:
+    """(problems, upward imports found) for every module of ``ztunnel/``."""
+    problems = []
+    upward = set()
+    for path in sorted((ROOT / "ztunnel").rglob("*.py")):
+        src = rel(path)
+        mine = layer_of(src, layers)
+        if mine is None:
+            problems.append(f"{src} is in no layer of docs/architecture.md")
+            continue
+        for line, target in imported_files(path):
+            if target.startswith("xds/"):
+                continue  # the generated code below every layer (checked separately)
+            theirs = layer_of(target, layers)
+            if theirs is None:
+                problems.append(f"{src}:{line}: imports {target}, which is in no layer")
+            elif theirs > mine:
+                upward.add((src, target))
+    return problems, upward
+
+
 # -- the tests -----------------------------------------------------------------------------------------------------
 
 
@@ -530,3 +615,47 @@ def test_path_check_can_fail() -> None:
     assert "defines no no_such_test" in problems[1]
     assert "no Python file before it to find orphan" in problems[2]
     assert "ztunnel/proxy/*.rs does not exist" in problems[3]
+
+
+def test_imports_follow_the_layer_diagram() -> None:
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    layers = layer_diagram(text)
+    problems, upward = layer_problems(layers)
+    assert problems == []
+    assert upward == UPWARD_ALLOWED, f"upward imports (docs/architecture.md names {sorted(UPWARD_ALLOWED)}): {upward}"
+    for src, target in UPWARD_ALLOWED:
+        assert f"One import points up: `{src}`" in " ".join(text.split()) and target in text
+
+
+def test_generated_protobuf_code_imports_nothing_of_the_project() -> None:
+    generated = sorted(p for p in (ROOT / "xds").rglob("*.py") if p.stem.endswith(("_pb2", "_pb2_grpc")))
+    assert generated
+    bad = [
+        f"{rel(p)}:{line} imports {t}" for p in generated for line, t in imported_files(p) if t.startswith("ztunnel")
+    ]
+    assert bad == []
+
+
+def test_layer_check_can_fail() -> None:
+    diagram = (
+        "\n## Layers\n\n```\n  proxy   ztunnel/proxy/\n          beside it: ztunnel/sockets.py\n"
+        "  state/rbac  ztunnel/state/\n  config  ztunnel/config.py  ztunnel/\n```\n"
+    )
+    layers = layer_diagram(diagram)
+    assert layers == {
+        "ztunnel/proxy/": 3,
+        "ztunnel/sockets.py": 3,
+        "ztunnel/state/": 2,
+        "ztunnel/config.py": 0,
+        "ztunnel/": 0,
+    }
+    assert layer_of("ztunnel/proxy/hbone/core.py", layers) == 3
+    assert layer_of("ztunnel/app.py", layers) == 0
+    # With state below config and everything else at the bottom, state's imports of identity point up... and
+    # config's own import of spiffe is no longer upward (same layer): the set differs from the allowed one.
+    _, upward = layer_problems(layers)
+    assert ("ztunnel/proxy/outbound.py", "ztunnel/proxy/common.py") not in upward  # same layer
+    assert any(src.startswith("ztunnel/") and layer_of(src, layers) == 0 for src, _ in upward)
+    assert upward != UPWARD_ALLOWED
+    problems, _ = layer_problems({"ztunnel/proxy/": 0})
+    assert "ztunnel/app.py is in no layer of docs/architecture.md" in problems
