@@ -456,6 +456,7 @@ def imported_files(path: Path) -> Iterator[tuple[int, str]]:
     ``ztunnel/proxy/__init__.py``."""
     package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        candidates: list[tuple[str, str | None]]
         if isinstance(node, ast.Import):
             candidates = [(a.name, None) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
