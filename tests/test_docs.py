@@ -7,12 +7,15 @@ Checked in ``README.md``, every ``docs/*.md`` and ``bench/README.md``:
 * commands: every line of a fenced ``sh`` block and every inline ``make ...`` / ``python -m ...`` names Makefile
   targets, or a module of the tree (or an installed one) and only ``--flags`` that module's ``--help`` lists (its
   subcommands followed); a ``<NAME>_ARGS=--flag`` make variable is checked against the program its recipe runs;
-  ``ztunnel ...`` names the console script and its commands; any other program must be listed in ``EXTERNAL``;
+  a ``ztunnel ...`` command line names the console script and its commands; any other program must be listed in ``EXTERNAL``;
 * paths: every backticked path into the tree (``ztunnel/...``, ``tests/...``, globs too) exists, and a
   ``file.py::name`` (``::Class.method``, or a bare ``::name`` after a file in the same table row or paragraph)
   is defined in that file;
 * the front door: README is at most 10 KiB, links to every file in ``docs/``, and shows ``make test`` and
-  ``make demo``.
+  ``make demo``;
+* the layers: every module of ``ztunnel/`` is in the diagram of docs/architecture.md, and its imports (local and
+  ``TYPE_CHECKING`` ones included) point down or sideways, but for the one upward import the page names; the
+  generated protobuf code in ``xds/`` imports nothing of the project.
 
 Each checker returns the problems it found as ``file:line: what``; the ``test_*_can_fail`` tests feed it broken
 text, so a checker that stopped looking fails too.
