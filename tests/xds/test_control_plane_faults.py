@@ -25,8 +25,8 @@ import pytest
 
 from xds.envoy.service.discovery.v3 import discovery_pb2 as pb
 from xds.istio.security import authorization_pb2 as authz_pb
-from xds.server import XdsServer, issue_server_certificate
 from ztunnel.identity.spiffe import Identity
+from ztunnel.standins.istiod.server import XdsServer, issue_server_certificate
 from ztunnel.testing import EchoServer, TwoNodeMesh, ZtunnelProcess
 from ztunnel.testing.control_plane import wait_until
 from ztunnel.xds.types import ADDRESS_TYPE
