@@ -171,7 +171,7 @@ def test_removal_takes_out_only_our_jumps_and_chains() -> None:
     assert build_removal("") == ""
 
 
-# -- ZDS codec -------------------------------------------------------------------------------------------------------
+# -- pods ------------------------------------------------------------------------------------------------------------
 
 
 def test_pod_spec_parsing() -> None:
@@ -183,26 +183,6 @@ def test_pod_spec_parsing() -> None:
     for bad in ("u1", "u1:ns/name", "u1:ns:x", ":ns/n:x", "u1:a/b/c/d:x", "u1:ns//sa:x"):
         with pytest.raises(ValueError, match="pod"):
             PodInfo.parse(bad)
-
-
-def test_wire_encoding_matches_zds_proto() -> None:
-    # WorkloadRequest.del is field 2 and DelWorkload.uid is field 2: tag 0x12 twice.
-    assert nodeagent.encode_del("u") == b"\x12\x03\x12\x01u"
-    assert nodeagent.encode_keep("u") == b"\x2a\x03\x0a\x01u"  # keep is field 5
-    assert nodeagent.encode_snapshot_sent() == b"\x1a\x00"  # an empty SnapshotSent, present
-    req = zds_pb2.WorkloadRequest.FromString(nodeagent.encode_add(PodInfo("u", "ns", "n", "sa", "x")))
-    assert req.WhichOneof("payload") == "add"
-    assert (req.add.uid, req.add.workload_info.name, req.add.workload_info.namespace) == ("u", "n", "ns")
-    assert req.add.workload_info.service_account == "sa"
-    nodeagent.decode_hello(zds_pb2.ZdsHello(version=zds_pb2.V1).SerializeToString())
-    with pytest.raises(ZdsError, match="unsupported ZDS version 0"):
-        nodeagent.decode_hello(b"")
-    with pytest.raises(ZdsError, match="malformed ZdsHello"):
-        nodeagent.decode_hello(b"\xff\xff")
-    assert nodeagent.decode_ack(b"\x0a\x00") == ""
-    assert nodeagent.decode_ack(zds_pb2.WorkloadResponse(ack=zds_pb2.Ack(error="no")).SerializeToString()) == "no"
-    with pytest.raises(ZdsError, match="without an ack"):
-        nodeagent.decode_ack(b"")
 
 
 # -- ZDS server against a hand-written ztunnel -----------------------------------------------------------------------

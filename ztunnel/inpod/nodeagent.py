@@ -44,9 +44,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from google.protobuf.message import DecodeError
-
-from xds.istio.workload.zds import zds_pb2
+from ztunnel.config import WorkloadInfo
+from ztunnel.inpod.protocol import (
+    ZdsMessageError,
+    decode_ack,
+    decode_hello,
+    encode_add,
+    encode_del,
+    encode_keep,
+    encode_snapshot_sent,
+)
 from ztunnel.tasks import TaskGroup
 
 log = logging.getLogger("ztunnel.inpod.nodeagent")
@@ -331,7 +338,7 @@ def remove_inpod_rules(netns: str | os.PathLike[str], ipv6: bool = True) -> None
 
 
 # --------------------------------------------------------------------------------------------------------------
-# ZDS messages (sans-IO): what the CNI sends and what it expects back
+# Pods, and the errors of the ZDS server (the messages themselves: ztunnel.inpod.protocol)
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -349,6 +356,10 @@ class PodInfo:
     def netns_path(self) -> Path:
         return netns_path(self.netns)
 
+    @property
+    def workload_info(self) -> WorkloadInfo:
+        return WorkloadInfo(name=self.name, namespace=self.namespace, service_account=self.service_account)
+
     @classmethod
     def parse(cls, spec: str) -> PodInfo:
         """``UID:NAMESPACE/NAME[/SERVICE_ACCOUNT]:NETNS`` (NETNS is a name under /run/netns or a path)."""
@@ -363,33 +374,6 @@ class PodInfo:
         return cls(uid=uid, namespace=names[0], name=names[1], service_account=sa, netns=netns)
 
 
-def encode_add(pod: PodInfo) -> bytes:
-    req = zds_pb2.WorkloadRequest()
-    req.add.uid = pod.uid
-    req.add.workload_info.name = pod.name
-    req.add.workload_info.namespace = pod.namespace
-    req.add.workload_info.service_account = pod.service_account
-    return req.SerializeToString()
-
-
-def encode_keep(uid: str) -> bytes:
-    req = zds_pb2.WorkloadRequest()
-    req.keep.uid = uid
-    return req.SerializeToString()
-
-
-def encode_del(uid: str) -> bytes:
-    req = zds_pb2.WorkloadRequest()
-    getattr(req, "del").uid = uid  # `del` is a Python keyword
-    return req.SerializeToString()
-
-
-def encode_snapshot_sent() -> bytes:
-    req = zds_pb2.WorkloadRequest()
-    req.snapshot_sent.SetInParent()
-    return req.SerializeToString()
-
-
 class ZdsError(RuntimeError):
     """The ztunnel connection failed: no ack in time, a malformed message, or the connection closed."""
 
@@ -398,27 +382,18 @@ class ZdsNotConnected(ZdsError):
     """No ztunnel is connected. The pod is still recorded and goes out in the next connection's snapshot."""
 
 
-def decode_hello(data: bytes) -> None:
-    """Raise :class:`ZdsError` unless ``data`` is ``ZdsHello{version: V1}``."""
-    hello = zds_pb2.ZdsHello()
+def _check_hello(data: bytes) -> None:
     try:
-        hello.ParseFromString(data)
-    except DecodeError as e:
-        raise ZdsError(f"malformed ZdsHello ({len(data)} bytes): {e}") from e
-    if hello.version != zds_pb2.V1:
-        raise ZdsError(f"unsupported ZDS version {hello.version} (this agent speaks V1)")
+        decode_hello(data)
+    except ZdsMessageError as e:
+        raise ZdsError(str(e)) from None
 
 
-def decode_ack(data: bytes) -> str:
-    """The ack's error: "" for an ack, the reason for a NACK. :class:`ZdsError` if ``data`` is no ack."""
-    resp = zds_pb2.WorkloadResponse()
+def _ack_error(data: bytes) -> str:
     try:
-        resp.ParseFromString(data)
-    except DecodeError as e:
-        raise ZdsError(f"malformed WorkloadResponse ({len(data)} bytes): {e}") from e
-    if resp.WhichOneof("payload") != "ack":
-        raise ZdsError("WorkloadResponse without an ack")
-    return resp.ack.error
+        return decode_ack(data)
+    except ZdsMessageError as e:
+        raise ZdsError(str(e)) from None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -528,7 +503,7 @@ class _Connection:
             self.close(reason)
             raise ZdsError(f"connection {self.id}: {reason}") from e
         try:
-            return decode_ack(await self.receive(timeout))
+            return _ack_error(await self.receive(timeout))
         except ZdsError as e:
             self.close(str(e))
             raise
@@ -688,7 +663,7 @@ class ZdsServer:
             except OSError as e:
                 raise ZdsError(f"pod {pod.uid}: cannot open netns {pod.netns_path}: {e}") from e
             try:
-                return await self._exchange(conn, "add", pod.uid, encode_add(pod), [fd])
+                return await self._exchange(conn, "add", pod.uid, encode_add(pod.uid, pod.workload_info), [fd])
             finally:
                 os.close(fd)
 
@@ -737,7 +712,7 @@ class ZdsServer:
     async def _handshake(self, conn: _Connection) -> None:
         # API requests wait for `conn.synced`, so until the snapshot is acked only this task talks to ztunnel.
         try:
-            decode_hello(await conn.receive(self.ack_timeout))
+            _check_hello(await conn.receive(self.ack_timeout))
             snapshot = list(self.pods.values())
             for pod in snapshot:
                 try:
@@ -747,7 +722,7 @@ class ZdsServer:
                     await self._exchange(conn, "keep", pod.uid, encode_keep(pod.uid), [])
                     continue
                 try:
-                    await self._exchange(conn, "add", pod.uid, encode_add(pod), [fd])
+                    await self._exchange(conn, "add", pod.uid, encode_add(pod.uid, pod.workload_info), [fd])
                 finally:
                     os.close(fd)
             await self._exchange(conn, "snapshot_sent", "", encode_snapshot_sent(), [])
