@@ -18,7 +18,7 @@ Two modes:
     listener (127.0.0.1:15080 in node1), the apps listen in node2. Upstream binds its ports on the wildcard address,
     hence one ztunnel per namespace.
 ``inpod``
-    istio-cni's way (``PROXY_MODE=shared``): this project's node agent (:class:`ztunnel.inpod.nodeagent.ZdsServer`)
+    istio-cni's way (``PROXY_MODE=shared``): this project's node agent (:class:`ztunnel.standins.cni.server.ZdsServer`)
     applies istio-cni's in-pod iptables rules in pods "client" (node1) and "server" (node2) and hands their
     namespaces to the node's ztunnel over ZDS; the ztunnels ask the CA for the pods' certificates with
     ``ImpersonatedIdentity`` under the node identity's token (``istio-system/ztunnel``: the CA refuses that caller
@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from ztunnel.inpod.nodeagent import PodInfo, ZdsServer
+from ztunnel.standins.cni.server import PodInfo, ZdsServer
 from ztunnel.testing import EchoServer, Sample, ZtunnelProcess, scrape_now, socks5_connect, with_parent_death_signal
 from ztunnel.testing import netns as tn
 
