@@ -7,7 +7,7 @@ without the ones after it.
 Inside ``ztunnel``, the proxy never imports what only tests, the demo and the benchmark need: the stand-ins for istiod
 and istio-cni (``ztunnel.standins``), the test toolkit (``ztunnel.testing``) and the demo. The stand-ins themselves
 are built on the proxy's own modules (config, identity, state, the ZDS codec) and never on the test toolkit, which
-uses them. The runtime image leaves these out (tests/test_packaging.py checks it can).
+uses them. The runtime image leaves these out (tests/test_packaging.py checks that it does).
 
 Every import statement counts, also the lazy ones inside functions and the ``TYPE_CHECKING`` ones: each is a
 dependency a reader has to follow.
@@ -15,9 +15,9 @@ dependency a reader has to follow.
 
 from __future__ import annotations
 
-import ast
-from collections.abc import Iterator
 from pathlib import Path
+
+from tests.importcheck import imports, module_name, within
 
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = ("xds", "ztunnel", "bench", "tests")
@@ -28,36 +28,6 @@ MAY_IMPORT = {
     "ztunnel.testing": ("ztunnel.standins", "ztunnel.testing"),
     "ztunnel.demo": ("ztunnel.standins", "ztunnel.testing"),
 }
-
-
-def module_name(path: Path, root: Path) -> str:
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def imports(path: Path, root: Path) -> Iterator[tuple[int, str]]:
-    """(line, absolute module name) of every import in ``path``; relative imports resolved against its package."""
-    module = module_name(path, root)
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    for node in sorted(
-        (n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)), key=lambda n: n.lineno
-    ):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                yield node.lineno, alias.name
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                yield node.lineno, ".".join([*base, *([node.module] if node.module else [])])
-            elif node.module:
-                yield node.lineno, node.module
-
-
-def _within(name: str, prefix: str) -> bool:
-    return name == prefix or name.startswith(prefix + ".")
 
 
 def upward_imports(root: Path, order: tuple[str, ...] = ORDER) -> list[str]:
@@ -78,10 +48,10 @@ def proxy_imports_of_standins(root: Path) -> list[str]:
     found = []
     for path in sorted((root / "ztunnel").rglob("*.py")):
         importer = module_name(path, root)
-        home = next((p for p in NOT_FOR_THE_PROXY if _within(importer, p)), None)
+        home = next((p for p in NOT_FOR_THE_PROXY if within(importer, p)), None)
         allowed = MAY_IMPORT[home] if home else ()
         for line, name in imports(path, root):
-            target = next((p for p in NOT_FOR_THE_PROXY if _within(name, p)), None)
+            target = next((p for p in NOT_FOR_THE_PROXY if within(name, p)), None)
             if target is not None and target not in allowed:
                 found.append(f"{path.relative_to(root)}:{line}: {importer} -> {name}")
     return found
