@@ -6,8 +6,9 @@
 #
 # The chart runs it as upstream's: `args: [proxy, ztunnel]`, root with NET_ADMIN/SYS_ADMIN/NET_RAW granted by the pod
 # spec, readOnlyRootFilesystem with an emptyDir on /tmp. Checked offline by tests/test_packaging.py (hadolint, COPY
-# sources, ENTRYPOINT/CMD against the console script, and as root the console script run with this ENV and the
-# chart's env on a read-only root with a tmpfs on /tmp); no Docker engine is needed for the tests.
+# sources, the package the builder installs built from exactly what it copies, ENTRYPOINT/CMD against the console
+# script, and as root the console script run with this ENV and the chart's env on a read-only root with a tmpfs on
+# /tmp); no Docker engine is needed for the tests.
 
 # Base image, pinned by digest so a rebuild gets the same interpreter and libc. The digest is the multi-platform
 # index of `python:3.11-slim` (CPython 3.11.15 on Debian trixie, amd64/arm64/...) as published on Docker Hub on
@@ -35,7 +36,8 @@ COPY charts/image/requirements.lock ./requirements.lock
 RUN python -m pip --python /opt/venv/bin/python install --no-cache-dir --only-binary=:all: -r requirements.lock
 
 # The package itself (PEP 621, setuptools). --no-deps: everything it needs came from the lock, and `pip check`
-# fails the build if the lock missed something.
+# fails the build if the lock missed something. .dockerignore keeps ztunnel/testing/, ztunnel/standins/ (the local
+# control plane and node agent) and ztunnel/demo.py out of the context: the image carries the proxy and the protos.
 COPY pyproject.toml README.md ./
 COPY ztunnel ./ztunnel
 COPY xds ./xds

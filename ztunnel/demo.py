@@ -10,10 +10,10 @@ Where the configuration and the certificates come from:
 
 * default (``make demo``): the embedded default. Each ztunnel reads the example as its local config file and signs
   its own certificate with a local CA (``FAKE_CA=true``).
-* ``--control-plane`` (``make demo-control-plane``): this project's control plane (``xds.server.XdsServer``), run
-  in this process on an ephemeral port of 127.0.0.1, serves the same file over delta xDS and signs certificates
-  with ``CreateCertificate``, over gRPC with TLS. Each ztunnel runs with ``FAKE_CA=false`` and a bearer token that
-  the control plane maps to its workload's identity.
+* ``--control-plane`` (``make demo-control-plane``): this project's control plane
+  (``ztunnel.standins.istiod.server.XdsServer``), run in this process on an ephemeral port of 127.0.0.1, serves the same
+  file over delta xDS and signs certificates with ``CreateCertificate``, over gRPC with TLS. Each ztunnel runs with
+  ``FAKE_CA=false`` and a bearer token that the control plane maps to its workload's identity.
 
 ``--relocate`` moves the example to a random block of 127/8 (as the tests do), so the demo can run beside tests or
 a benchmark that hold the fixed addresses.
@@ -171,7 +171,7 @@ async def _main(work: Path, control_plane: bool, relocate: bool) -> int:
     print(f"  app      echo server (workload 'server') listening on {topo.app[0]}:{topo.app[1]}")
     cp: Any = None
     if control_plane:
-        from xds.server import XdsServer
+        from ztunnel.standins.istiod.server import XdsServer
         from ztunnel.testing.control_plane import ztunnel_env
 
         tokens = dict(TOKENS.values())

@@ -15,11 +15,11 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from xds.istio.v1.auth import ca_pb2, ca_pb2_grpc
-from xds.server import XdsServer, issue_server_certificate
 from ztunnel.config import AuthSource, RootCertSource, from_env
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.caclient import CaClient, CaClientError, generate_csr
 from ztunnel.identity.spiffe import Identity
+from ztunnel.standins.istiod.server import XdsServer, issue_server_certificate
 from ztunnel.testing.control_plane import control_plane
 
 TD = "cluster.local"

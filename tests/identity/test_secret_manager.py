@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from xds.server import XdsServer
 from ztunnel.config import AuthSource, RootCertSource
 from ztunnel.identity import CertificateProvider, CertificateStatus, WorkloadCertificate
 from ztunnel.identity.caclient import CaClient
@@ -32,6 +31,7 @@ from ztunnel.identity.manager import (
     SecretManager,
 )
 from ztunnel.identity.spiffe import Identity
+from ztunnel.standins.istiod.server import XdsServer
 from ztunnel.tasks import TaskGroup
 from ztunnel.testing.control_plane import InProcessCaClient, control_plane, wait_until
 

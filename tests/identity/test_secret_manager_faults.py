@@ -23,13 +23,13 @@ import pytest
 from cryptography import x509
 
 from xds.istio.v1.auth import ca_pb2, ca_pb2_grpc
-from xds.server import issue_server_certificate
 from ztunnel.config import AuthSource, RootCertSource
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.caclient import CaClient
 from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.manager import CertificateStatus, CertificateUnavailable, SecretManager
 from ztunnel.identity.spiffe import Identity
+from ztunnel.standins.istiod.server import issue_server_certificate
 from ztunnel.tasks import TaskGroup
 from ztunnel.testing.control_plane import wait_until
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from ztunnel.inpod.nodeagent import PodInfo, ZdsServer
+from ztunnel.standins.cni.server import PodInfo, ZdsServer
 from ztunnel.testing import netns as tn
 from ztunnel.testing.dns import UpstreamDns
 

@@ -4,7 +4,7 @@ Inputs: random bytes; ``WorkloadRequest`` messages built from the schema (add, k
 uid and workload info, unknown fields appended); and those messages mutated at the byte level. Each goes with 0 to
 3 file descriptors (pipes, or this process's own network namespace) and the receive flags (truncation).
 
-Properties of :func:`decode`: a message, or a :class:`ZdsMessageError` naming the problem (for bytes that are not
+Properties of :func:`decode_request`: a message, or a :class:`ZdsMessageError` naming the problem (for bytes that are not
 a ``WorkloadRequest``, the field path and byte offset); every fd it does not hand over is closed, whatever happens.
 
 The live test plays the node agent: it sends the same packets with SCM_RIGHTS to a running
@@ -43,7 +43,7 @@ from ztunnel.inpod.protocol import (
     SnapshotSent,
     WorkloadMessage,
     ZdsMessageError,
-    decode,
+    decode_request,
 )
 from ztunnel.inpod.statemanager import WorkloadProxyManagerState
 from ztunnel.inpod.workloadmanager import WorkloadProxyManager
@@ -139,7 +139,7 @@ def is_open(fd: int) -> bool:
 def check_decode(data: bytes, kinds: list[str], flags: int) -> WorkloadMessage | ZdsMessageError:
     fds = open_fds(kinds)
     try:
-        msg: WorkloadMessage | ZdsMessageError = decode(data, list(fds), flags)
+        msg: WorkloadMessage | ZdsMessageError = decode_request(data, list(fds), flags)
     except ZdsMessageError as e:
         msg = e
         assert str(e).startswith(_ERRORS), e
@@ -383,10 +383,10 @@ def test_live_zds_client_answers_every_fuzzed_packet(zds: tuple[Agent, Client]) 
 def test_undecodable_packet_nack_says_where() -> None:
     # upb's "Wire format was corrupt" / "String field had bad UTF-8" told the agent nothing about where.
     with pytest.raises(ZdsMessageError) as e:
-        decode(b"\x0a\x06\x12\x04\x0a\x02\xc3\x28", [], 0)
+        decode_request(b"\x0a\x06\x12\x04\x0a\x02\xc3\x28", [], 0)
     assert str(e.value) == "invalid WorkloadRequest (8 bytes): add.workload_info.name at byte 6: not valid UTF-8"
     with pytest.raises(ZdsMessageError) as e:
-        decode(b"\x0a\x05\x0a\x01u", [], 0)
+        decode_request(b"\x0a\x05\x0a\x01u", [], 0)
     assert str(e.value) == (
         "invalid WorkloadRequest (5 bytes): add at byte 0: length 5 runs past the end of its message (3 left)"
     )

@@ -17,9 +17,9 @@ from ztunnel.inpod.protocol import (
     KeepWorkload,
     SnapshotSent,
     ZdsMessageError,
-    ack,
-    decode,
-    hello,
+    decode_request,
+    encode_ack,
+    encode_hello,
 )
 from ztunnel.inpod.statemanager import ProtocolError, ProxyStartError, WorkloadProxyManagerState
 
@@ -64,21 +64,21 @@ def is_open(n: int) -> bool:
 
 
 def test_hello_and_ack_bytes() -> None:
-    assert zds_pb2.ZdsHello.FromString(hello()).version == zds_pb2.V1
-    assert hello() == bytes([0x08, 0x01])  # field 1 varint 1
-    resp = zds_pb2.WorkloadResponse.FromString(ack("boom"))
+    assert zds_pb2.ZdsHello.FromString(encode_hello()).version == zds_pb2.V1
+    assert encode_hello() == bytes([0x08, 0x01])  # field 1 varint 1
+    resp = zds_pb2.WorkloadResponse.FromString(encode_ack("boom"))
     assert resp.WhichOneof("payload") == "ack" and resp.ack.error == "boom"
-    assert zds_pb2.WorkloadResponse.FromString(ack()).ack.error == ""
+    assert zds_pb2.WorkloadResponse.FromString(encode_ack()).ack.error == ""
 
 
 def test_decode_each_message() -> None:
     f = fd()
-    msg = decode(add_bytes("uid-1"), [f], 0)
+    msg = decode_request(add_bytes("uid-1"), [f], 0)
     assert msg == AddWorkload("uid-1", INFO, f)
     os.close(f)
-    assert decode(other_bytes("keep", "u"), [], 0) == KeepWorkload("u")
-    assert decode(other_bytes("del", "u"), [], 0) == DelWorkload("u")
-    assert decode(other_bytes("snap"), [], 0) == SnapshotSent()
+    assert decode_request(other_bytes("keep", "u"), [], 0) == KeepWorkload("u")
+    assert decode_request(other_bytes("del", "u"), [], 0) == DelWorkload("u")
+    assert decode_request(other_bytes("snap"), [], 0) == SnapshotSent()
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,7 @@ def test_decode_each_message() -> None:
 def test_decode_errors_close_every_fd(data: bytes, nfds: int, flags: int, error: str) -> None:
     fds = [fd() for _ in range(nfds)]
     with pytest.raises(ZdsMessageError, match=error):
-        decode(data, fds, flags)
+        decode_request(data, fds, flags)
     assert not any(is_open(f) for f in fds)
 
 

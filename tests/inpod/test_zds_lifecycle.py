@@ -19,7 +19,7 @@ import pytest
 
 from tests.inpod.cluster import Cluster, cluster, eventually, peer_and_body, topology
 from xds.istio.workload.zds import zds_pb2
-from ztunnel.inpod.nodeagent import PodInfo, ZdsServer
+from ztunnel.standins.cni.server import PodInfo, ZdsServer
 from ztunnel.testing import netns as tn
 
 __all__ = ["cluster", "topology"]  # fixtures

@@ -19,10 +19,10 @@ import grpc
 import pytest
 
 from xds.istio.workload import workload_pb2 as wl
-from xds.server import XdsServer
 from ztunnel.config import from_env
 from ztunnel.identity.spiffe import Identity
 from ztunnel.readiness import Readiness
+from ztunnel.standins.istiod.server import XdsServer
 from ztunnel.state import ProxyState
 from ztunnel.state.workload import NamespacedHostname, NetworkAddress
 from ztunnel.tasks import TaskGroup

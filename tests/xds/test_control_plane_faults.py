@@ -1,11 +1,11 @@
 """Faults of the control plane, against real ztunnel processes: down at start, and answering garbage.
 
-The ztunnels run with ``FAKE_CA=false`` against the local control plane (``xds/server.py``) on a random loopback
-block (:class:`~ztunnel.testing.TwoNodeMesh`, served over xDS instead of from a file). What must hold (ztunnel-facts
-§6, upstream ``xds/client.rs`` and ``identity/manager.rs``): not ready until the first xDS sync; reconnects with
-backoff (10 ms doubling to 15 s) rather than a loop, measured as CPU time; a clear log line per failure and never a
-traceback; the last good state keeps being served; a connection that finds no certificate fails with the reason
-instead of hanging.
+The ztunnels run with ``FAKE_CA=false`` against the local control plane (``ztunnel/standins/istiod/server.py``) on a
+random loopback block (:class:`~ztunnel.testing.TwoNodeMesh`, served over xDS instead of from a file). What must hold
+(ztunnel-facts §6, upstream ``xds/client.rs`` and ``identity/manager.rs``): not ready until the first xDS sync;
+reconnects with backoff (10 ms doubling to 15 s) rather than a loop, measured as CPU time; a clear log line per failure
+and never a traceback; the last good state keeps being served; a connection that finds no certificate fails with the
+reason instead of hanging.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import pytest
 
 from xds.envoy.service.discovery.v3 import discovery_pb2 as pb
 from xds.istio.security import authorization_pb2 as authz_pb
-from xds.server import XdsServer, issue_server_certificate
 from ztunnel.identity.spiffe import Identity
+from ztunnel.standins.istiod.server import XdsServer, issue_server_certificate
 from ztunnel.testing import EchoServer, TwoNodeMesh, ZtunnelProcess
 from ztunnel.testing.control_plane import wait_until
 from ztunnel.xds.types import ADDRESS_TYPE

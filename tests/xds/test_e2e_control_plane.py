@@ -27,8 +27,8 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from xds.istio.workload import workload_pb2 as wl_pb
-from xds.server import DeltaSession, XdsServer
 from ztunnel.identity.spiffe import Identity
+from ztunnel.standins.istiod.server import DeltaSession, XdsServer
 from ztunnel.testing import EchoServer, ZtunnelProcess, node_env, socks5_connect
 from ztunnel.testing.control_plane import control_plane, wait_until, ztunnel_env
 from ztunnel.xds.types import ADDRESS_TYPE, AUTHORIZATION_TYPE

@@ -41,12 +41,12 @@ from tests.fuzzing import LIVE_TIMEOUT, fuzz_settings, mutated, protobufs
 from xds.envoy.service.discovery.v3 import discovery_pb2 as pb
 from xds.istio.security import authorization_pb2 as sec
 from xds.istio.workload import workload_pb2 as wl
-from xds.server import XdsServer
 from ztunnel.config import from_env
 from ztunnel.proxy.common import ProxyError
 from ztunnel.proxy.outbound import build_request
 from ztunnel.rbac import Connection
 from ztunnel.readiness import Readiness
+from ztunnel.standins.istiod.server import XdsServer
 from ztunnel.state import ProxyState, StateUpdate
 from ztunnel.state.service import Service
 from ztunnel.state.upstream import UpstreamError

@@ -1,11 +1,19 @@
-"""ZDS, the protocol istio-cni's node agent speaks to ztunnel over a SOCK_SEQPACKET unix socket (sans-IO part).
+"""ZDS, the protocol between istio-cni's node agent and ztunnel over a SOCK_SEQPACKET unix socket (sans-IO).
 
 Upstream ``inpod/protocol.rs``: one raw protobuf a packet (no length prefix), read into a 1024-byte buffer; a
 truncated packet or control message is an error. ztunnel says ``ZdsHello{V1}`` first. An ``add`` carries exactly one
 fd (the pod's network namespace) in ``SCM_RIGHTS``; every other message carries none. Every request is answered with
 ``WorkloadResponse{ack}``, whose non-empty ``error`` is a NACK.
 
-This module turns packets into :class:`WorkloadMessage` values and builds the replies; no sockets.
+Both roles live here, as h11 and h2 serve client and server, so the two sides cannot drift apart:
+
+* ztunnel (the client, :mod:`ztunnel.inpod.workloadmanager`) sends :func:`encode_hello`, turns each request packet
+  into a :class:`WorkloadMessage` with :func:`decode_request` and answers with :func:`encode_ack`;
+* the node agent (the server: istio-cni, or :mod:`ztunnel.standins.cni` here) checks the hello with
+  :func:`decode_hello`, sends :func:`encode_add`, :func:`encode_keep`, :func:`encode_del` and
+  :func:`encode_snapshot_sent`, and reads each answer with :func:`decode_ack`.
+
+Bytes in, values out (and the reverse); no sockets.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ MAX_PACKET = 1024  # upstream's read buffer; a longer message arrives truncated 
 
 
 class ZdsMessageError(Exception):
-    """A malformed packet: answered with a NACK naming the problem."""
+    """A malformed packet. ztunnel answers it with a NACK naming the problem; the node agent closes the connection."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,15 +61,20 @@ class SnapshotSent:
 WorkloadMessage = AddWorkload | KeepWorkload | DelWorkload | SnapshotSent
 
 
-def hello() -> bytes:
+# -- ztunnel's side: hello, requests in, acks out --------------------------------------------------------------------
+
+
+def encode_hello() -> bytes:
+    """``ZdsHello{version: V1}``, ztunnel's first packet on a new connection."""
     return zds_pb2.ZdsHello(version=zds_pb2.V1).SerializeToString()
 
 
-def ack(error: str = "") -> bytes:
+def encode_ack(error: str = "") -> bytes:
+    """``WorkloadResponse{ack}``: an ack, or a NACK when ``error`` is not empty."""
     return zds_pb2.WorkloadResponse(ack=zds_pb2.Ack(error=error)).SerializeToString()
 
 
-def decode(data: bytes, fds: list[int], flags: int) -> WorkloadMessage:
+def decode_request(data: bytes, fds: list[int], flags: int) -> WorkloadMessage:
     """One received packet (bytes, fds from SCM_RIGHTS, recvmsg flags) as a message. Closes fds it does not keep.
 
     Raises :class:`ZdsMessageError` with upstream's wording for truncation, a missing or unexpected fd, a missing
@@ -108,3 +121,60 @@ def decode(data: bytes, fds: list[int], flags: int) -> WorkloadMessage:
 def close_fd(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.close(fd)
+
+
+# -- the node agent's side: hello in, requests out, acks in ----------------------------------------------------------
+
+
+def decode_hello(data: bytes) -> None:
+    """Raise :class:`ZdsMessageError` unless ``data`` is ``ZdsHello{version: V1}``."""
+    hello = zds_pb2.ZdsHello()
+    try:
+        hello.ParseFromString(data)
+    except DecodeError as e:
+        raise ZdsMessageError(f"malformed ZdsHello ({len(data)} bytes): {e}") from e
+    if hello.version != zds_pb2.V1:
+        raise ZdsMessageError(f"unsupported ZDS version {hello.version} (this agent speaks V1)")
+
+
+def encode_add(uid: str, info: WorkloadInfo | None) -> bytes:
+    """``WorkloadRequest{add}``; the pod's netns fd goes beside it in ``SCM_RIGHTS``."""
+    req = zds_pb2.WorkloadRequest()
+    req.add.uid = uid
+    if info is not None:
+        req.add.workload_info.name = info.name
+        req.add.workload_info.namespace = info.namespace
+        req.add.workload_info.service_account = info.service_account
+    return req.SerializeToString()
+
+
+def encode_keep(uid: str) -> bytes:
+    """``WorkloadRequest{keep}``: in a snapshot, a pod whose netns can no longer be opened."""
+    req = zds_pb2.WorkloadRequest()
+    req.keep.uid = uid
+    return req.SerializeToString()
+
+
+def encode_del(uid: str) -> bytes:
+    req = zds_pb2.WorkloadRequest()
+    getattr(req, "del").uid = uid  # `del` is a Python keyword
+    return req.SerializeToString()
+
+
+def encode_snapshot_sent() -> bytes:
+    """``WorkloadRequest{snapshot_sent}``: every pod of the snapshot has been sent."""
+    req = zds_pb2.WorkloadRequest()
+    req.snapshot_sent.SetInParent()
+    return req.SerializeToString()
+
+
+def decode_ack(data: bytes) -> str:
+    """The ack's error: "" for an ack, the reason for a NACK. :class:`ZdsMessageError` if ``data`` is no ack."""
+    resp = zds_pb2.WorkloadResponse()
+    try:
+        resp.ParseFromString(data)
+    except DecodeError as e:
+        raise ZdsMessageError(f"malformed WorkloadResponse ({len(data)} bytes): {e}") from e
+    if resp.WhichOneof("payload") != "ack":
+        raise ZdsMessageError("WorkloadResponse without an ack")
+    return resp.ack.error

@@ -22,7 +22,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
-from ztunnel.inpod.protocol import MAX_PACKET, ZdsMessageError, ack, decode, hello
+from ztunnel.inpod.protocol import MAX_PACKET, ZdsMessageError, decode_request, encode_ack, encode_hello
 from ztunnel.inpod.statemanager import ProtocolError, ProxyStartError, WorkloadProxyManagerState
 from ztunnel.metrics import Child, Registry
 from ztunnel.readiness import BlockReady, Readiness
@@ -140,27 +140,27 @@ class WorkloadProxyManager:
             await loop.sock_connect(sock, self.path)
             self.connections += 1
             log.info("connected to the node agent at %s", self.path)
-            await loop.sock_sendall(sock, hello())
+            await loop.sock_sendall(sock, encode_hello())
             while True:
                 data, fds, flags = await _recv(loop, sock)
                 if not data and not fds:
                     raise ZdsConnectionLost("the node agent closed the connection")
                 try:
-                    msg = decode(data, fds, flags)
+                    msg = decode_request(data, fds, flags)
                     await self.state.process(msg)
                 except ZdsMessageError as e:
                     log.warning("bad ZDS message: %s", e)
-                    await loop.sock_sendall(sock, ack(str(e)))
+                    await loop.sock_sendall(sock, encode_ack(str(e)))
                     continue
                 except ProxyStartError as e:
                     log.warning("%s", e)
-                    await loop.sock_sendall(sock, ack(str(e)))
+                    await loop.sock_sendall(sock, encode_ack(str(e)))
                     continue
                 except ProtocolError as e:
                     with contextlib.suppress(OSError):
-                        await loop.sock_sendall(sock, ack(str(e)))
+                        await loop.sock_sendall(sock, encode_ack(str(e)))
                     raise
-                await loop.sock_sendall(sock, ack())
+                await loop.sock_sendall(sock, encode_ack())
         finally:
             sock.close()
             self._sock = None

@@ -21,10 +21,10 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 
-from xds.server import XdsServer
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.spiffe import DEFAULT_TRUST_DOMAIN, Identity
+from ztunnel.standins.istiod.server import XdsServer
 
 __all__ = ["InProcessCaClient", "control_plane", "wait_until", "ztunnel_env"]
 

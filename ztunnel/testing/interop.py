@@ -1,9 +1,9 @@
 """Upstream Rust ztunnel and this project's ztunnel as peers on two nodes (``make interop-upstream``).
 
 The topology is :class:`ztunnel.testing.netns.Topology`'s (nodes on a bridge, pods on veths). One control plane, this
-project's (``python -m xds serve``, real gRPC over TLS), plays istiod for both ztunnels: it serves the mesh below over
-delta xDS and signs every certificate, so each ztunnel trusts the other's. It runs in the topology's root namespace on
-the bridge address, and each ztunnel authenticates with a bearer token read from a file::
+project's (``python -m ztunnel.standins.istiod serve``, real gRPC over TLS), plays istiod for both ztunnels: it serves
+the mesh below over delta xDS and signs every certificate, so each ztunnel trusts the other's. It runs in the topology's
+root namespace on the bridge address, and each ztunnel authenticates with a bearer token read from a file::
 
     root netns   control plane 172.172.0.1:15012 (xDS + CA)          [in-pod: node agents, ZDS over unix sockets]
     node1        ztunnel A (ours or upstream)   172.172.0.2
@@ -18,7 +18,7 @@ Two modes:
     listener (127.0.0.1:15080 in node1), the apps listen in node2. Upstream binds its ports on the wildcard address,
     hence one ztunnel per namespace.
 ``inpod``
-    istio-cni's way (``PROXY_MODE=shared``): this project's node agent (:class:`ztunnel.inpod.nodeagent.ZdsServer`)
+    istio-cni's way (``PROXY_MODE=shared``): this project's node agent (:class:`ztunnel.standins.cni.server.ZdsServer`)
     applies istio-cni's in-pod iptables rules in pods "client" (node1) and "server" (node2) and hands their
     namespaces to the node's ztunnel over ZDS; the ztunnels ask the CA for the pods' certificates with
     ``ImpersonatedIdentity`` under the node identity's token (``istio-system/ztunnel``: the CA refuses that caller
@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from ztunnel.inpod.nodeagent import PodInfo, ZdsServer
+from ztunnel.standins.cni.server import PodInfo, ZdsServer
 from ztunnel.testing import EchoServer, Sample, ZtunnelProcess, scrape_now, socks5_connect, with_parent_death_signal
 from ztunnel.testing import netns as tn
 
@@ -212,8 +212,8 @@ class InteropMesh:
                 self._snapshots[node] = 0
 
     def _start_control_plane(self) -> None:
-        """``python -m xds serve`` on the bridge address, with one token per caller. Token files have no trailing
-        newline: upstream sends the file's bytes verbatim in ``authorization``."""
+        """``python -m ztunnel.standins.istiod serve`` on the bridge address, with one token per caller. Token files
+        have no trailing newline: upstream sends the file's bytes verbatim in ``authorization``."""
         self.ca_dir = self.workdir / "cp-ca"
         tokens = {"node1": "token-client", "node2": "token-server", "node": "token-node"}
         self.token_files: dict[str, Path] = {}
@@ -224,7 +224,7 @@ class InteropMesh:
         argv = [
             sys.executable,
             "-m",
-            "xds",
+            "ztunnel.standins.istiod",
             "serve",
             "--config",
             str(self.mesh),

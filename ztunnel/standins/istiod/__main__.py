@@ -1,8 +1,10 @@
-"""``python -m xds serve``: run the local control plane (delta xDS + Istio CA over TLS) until SIGINT/SIGTERM.
+"""``python -m ztunnel.standins.istiod serve``: run the local control plane (delta xDS + Istio CA over TLS) until
+SIGINT/SIGTERM.
 
 Example::
 
-    python -m xds serve --config examples/two-node.yaml --ca-dir ./var/cp --listen 127.0.0.1:15012 --token secret
+    python -m ztunnel.standins.istiod serve --config examples/two-node.yaml --ca-dir ./var/cp \
+        --listen 127.0.0.1:15012 --token secret
 
 then start ztunnel with ``XDS_ADDRESS=https://127.0.0.1:15012 CA_ADDRESS=https://127.0.0.1:15012
 XDS_ROOT_CA=./var/cp/root-cert.pem CA_ROOT_CA=./var/cp/root-cert.pem AUTH_TOKEN=secret FAKE_CA=false``.
@@ -18,17 +20,17 @@ import sys
 from collections.abc import Sequence
 from datetime import timedelta
 
-from xds.ca import node_identity
-from xds.convert import ConvertError
-from xds.server import DEFAULT_LISTEN, XdsServer
 from ztunnel.config import parse_duration
 from ztunnel.identity.ca import CaError
 from ztunnel.identity.spiffe import DEFAULT_TRUST_DOMAIN, Identity, IdentityError
 from ztunnel.localconfig import LocalConfigError
+from ztunnel.standins.istiod.ca import node_identity
+from ztunnel.standins.istiod.convert import ConvertError
+from ztunnel.standins.istiod.server import DEFAULT_LISTEN, XdsServer
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m xds", description="ztunnel's local control plane")
+    p = argparse.ArgumentParser(prog="python -m ztunnel.standins.istiod", description="ztunnel's local control plane")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve delta xDS and the Istio CA from local config files")
     s.add_argument(

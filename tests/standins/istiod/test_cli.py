@@ -1,4 +1,4 @@
-"""``python -m xds serve``: starts, serves over TLS with its CA, stops on SIGTERM; bad input exits 1 with a message."""
+"""``python -m ztunnel.standins.istiod serve``: starts, serves over TLS with its CA, stops on SIGTERM; bad input exits 1 with a message."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ztunnel.testing import TWO_NODE
 def test_serve_starts_and_stops(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "xds", "serve", "--config", str(TWO_NODE), "--ca-dir", str(tmp_path / "ca"),
+            sys.executable, "-m", "ztunnel.standins.istiod", "serve", "--config", str(TWO_NODE), "--ca-dir", str(tmp_path / "ca"),
             "--listen", "127.0.0.1:0", "--token", "t", "--token", "u=spiffe://cluster.local/ns/default/sa/client",
         ],
         stdout=subprocess.PIPE,
@@ -36,7 +36,16 @@ def test_bad_config_exits_1_naming_the_problem(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("workloads: [{namespace: ns, workloadIps: ['10.0.0.300']}]")
     r = subprocess.run(
-        [sys.executable, "-m", "xds", "serve", "--config", str(bad), "--ca-dir", str(tmp_path / "ca")],
+        [
+            sys.executable,
+            "-m",
+            "ztunnel.standins.istiod",
+            "serve",
+            "--config",
+            str(bad),
+            "--ca-dir",
+            str(tmp_path / "ca"),
+        ],
         capture_output=True,
         text=True,
         timeout=20,
@@ -44,7 +53,16 @@ def test_bad_config_exits_1_naming_the_problem(tmp_path: Path) -> None:
     assert r.returncode == 1
     assert f"error: {bad}: workloads[0].workloadIps[0]: '10.0.0.300' is not an IP address" in r.stderr
     r = subprocess.run(
-        [sys.executable, "-m", "xds", "serve", "--ca-dir", str(tmp_path / "ca"), "--token", "t=not-spiffe"],
+        [
+            sys.executable,
+            "-m",
+            "ztunnel.standins.istiod",
+            "serve",
+            "--ca-dir",
+            str(tmp_path / "ca"),
+            "--token",
+            "t=not-spiffe",
+        ],
         capture_output=True,
         text=True,
         timeout=20,

@@ -2,8 +2,8 @@
 
 What it serves
     Address and Authorization resources built from one or more local config files (``ztunnel.localconfig``
-    schema, converted by :mod:`xds.convert`). Each resource's version is a hash of its bytes, so an unchanged
-    resource keeps its version across restarts and a reconnecting client that echoes it in
+    schema, converted by :mod:`ztunnel.standins.istiod.convert`). Each resource's version is a hash of its bytes, so
+    an unchanged resource keeps its version across restarts and a reconnecting client that echoes it in
     ``initial_resource_versions`` is not sent it again. The files are polled every 200 ms; a change is parsed and,
     if valid, pushed to every connected client as a delta (changed resources, and removed names). A file that
     does not parse is reported in the log (and :attr:`XdsServer.last_error`) and the last good config stays
@@ -25,7 +25,7 @@ On-demand clients (``XDS_ON_DEMAND=true``), as istiod serves them
     own node (``NODE_NAME`` in its node metadata) are sent without being asked for.
 
 The CA (``CreateCertificate``)
-    Signed by a :class:`~ztunnel.identity.ca.LocalCA` under the rules of :class:`xds.ca.CaPolicy`.
+    Signed by a :class:`~ztunnel.identity.ca.LocalCA` under the rules of :class:`ztunnel.standins.istiod.ca.CaPolicy`.
 
 TLS and authentication
     The listener presents a certificate for istiod's identity (``spiffe://<td>/ns/istio-system/sa/istiod``, DNS
@@ -61,8 +61,6 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError, Message
 
-from xds.ca import DEFAULT_MAX_TTL, CaPolicy, CaRefused, node_identity
-from xds.convert import ConvertError, pack, resources_from_update
 from xds.envoy.service.discovery.v3 import discovery_pb2 as pb
 from xds.envoy.service.discovery.v3 import discovery_pb2_grpc as pb_grpc
 from xds.istio.v1.auth import ca_pb2, ca_pb2_grpc
@@ -70,6 +68,8 @@ from xds.istio.workload import workload_pb2 as wl_pb
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import DEFAULT_TRUST_DOMAIN, Identity
 from ztunnel.localconfig import LocalConfig, LocalConfigError, load_local_config, parse_local_config
+from ztunnel.standins.istiod.ca import DEFAULT_MAX_TTL, CaPolicy, CaRefused, node_identity
+from ztunnel.standins.istiod.convert import ConvertError, pack, resources_from_update
 from ztunnel.state import StateUpdate
 from ztunnel.tasks import TaskGroup
 from ztunnel.xds.types import ADDRESS_TYPE
@@ -84,7 +84,7 @@ __all__ = [
     "issue_server_certificate",
 ]
 
-log = logging.getLogger("xds.server")
+log = logging.getLogger("ztunnel.standins.istiod.server")
 
 DEFAULT_LISTEN = "127.0.0.1:15012"
 POLL_INTERVAL = 0.2

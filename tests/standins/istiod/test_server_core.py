@@ -13,16 +13,16 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from google.protobuf.struct_pb2 import Struct
 
-from xds.ca import CaPolicy, CaRefused, node_identity
-from xds.convert import ConvertError, resources_from_update, workload_name
 from xds.envoy.service.discovery.v3 import discovery_pb2 as pb
 from xds.istio.v1.auth import ca_pb2
-from xds.server import DeltaSession, Snapshot, build_snapshot
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.caclient import generate_csr
 from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.spiffe import Identity
 from ztunnel.localconfig import load_local_config, parse_local_config
+from ztunnel.standins.istiod.ca import CaPolicy, CaRefused, node_identity
+from ztunnel.standins.istiod.convert import ConvertError, resources_from_update, workload_name
+from ztunnel.standins.istiod.server import DeltaSession, Snapshot, build_snapshot
 from ztunnel.state import StateUpdate
 from ztunnel.state.workload import Workload
 from ztunnel.testing import EXAMPLES
