@@ -27,10 +27,10 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
-# Upstream Rust ztunnel as a peer (tests/interop, README "Interop with upstream ztunnel"): root, and
+# Upstream Rust ztunnel as a peer (tests/interop, docs/testing.md, "Interop with upstream ztunnel"): root, and
 # ZTUNNEL_UPSTREAM_BIN=<upstream binary> built per ../shared/reference/upstream-build.md. A skip is a failure here.
 interop-upstream: $(STAMP)
-	@test -n "$(ZTUNNEL_UPSTREAM_BIN)" || { echo "interop-upstream: set ZTUNNEL_UPSTREAM_BIN to an upstream ztunnel binary (README, Tests)" >&2; exit 2; }
+	@test -n "$(ZTUNNEL_UPSTREAM_BIN)" || { echo "interop-upstream: set ZTUNNEL_UPSTREAM_BIN to an upstream ztunnel binary (docs/testing.md)" >&2; exit 2; }
 	ZTUNNEL_UPSTREAM_BIN="$(ZTUNNEL_UPSTREAM_BIN)" ZTUNNEL_UPSTREAM_TESTS=require ZTUNNEL_NETNS_TESTS=require \
 		$(PY) -m pytest -q tests/interop $(PYTEST_ARGS)
 
@@ -41,7 +41,7 @@ fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz FUZZ_MAX_EXAMPLES=$(FUZZ_MAX_EXAMPLES) $(PY) -m pytest -q --timeout 0 \
 		--hypothesis-show-statistics $(PYTEST_ARGS) $$(find tests -name 'test_*_fuzz.py' | sort) tests/xds/test_wire.py
 
-# Resource bounds at scale (README, Robustness): 10,000 idle SOCKS5 -> HBONE tunnels through two ztunnel processes
+# Resource bounds at scale (docs/robustness.md): 10,000 idle SOCKS5 -> HBONE tunnels through two ztunnel processes
 # (RSS and descriptors of each, KiB per tunnel), then 2,000 stalled TLS handshakes at 15008 (KiB each, all cut).
 robustness: $(STAMP)
 	$(PY) -m tests.robustness $(ROBUSTNESS_ARGS)

@@ -17,7 +17,7 @@ from ztunnel.config import DEFAULT_MESH_CONFIG_PATH, Config, ConfigError, from_e
 USAGE = """\
 usage: ztunnel [proxy [ztunnel] | config | version | help]
 
-  proxy    run the proxy (default); configured by environment variables (see README)
+  proxy    run the proxy (default); configured by environment variables (see docs/configuration.md)
   config   print the effective configuration as JSON and exit
   version  print the version and exit
   help     print this help

@@ -927,7 +927,7 @@ def _validate(cfg: Config) -> Config:
 
 
 class Support(enum.Enum):
-    """What a documented setting does here (README's configuration tables say the same)."""
+    """What a documented setting does here (docs/configuration.md's tables say the same)."""
 
     IMPLEMENTED = "implemented"
     # Accepted, but has no effect yet: a WARNING at startup names the variable, its value and why. For performance
@@ -940,13 +940,13 @@ class Support(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Setting:
-    """One row of README's configuration tables: its variables, the :class:`Config` fields they set, and support.
+    """One row of the tables in docs/configuration.md: its variables, the :class:`Config` fields they set, support.
 
     ``warns_when`` / ``refused_when`` map each variable (of this row) that warns or is refused to a value that makes
     it do so when set alone; an implemented setting may have a part that warns or is refused (``PROXY_CONFIG``'s
     ``concurrency``, ``ENABLE_PROXY=false`` in shared mode). ``tests/test_settings_registry.py`` checks this
-    registry against README, against the code (implemented fields are read outside this module, the others are
-    not) and against the behaviour (each warning and refusal happens).
+    registry against docs/configuration.md, against the code (implemented fields are read outside this module, the
+    others are not) and against the behaviour (each warning and refusal happens).
     """
 
     names: tuple[str, ...]

@@ -133,7 +133,7 @@ def upstream_problem() -> str | None:
     """Why upstream's binary cannot be used (unset, missing, not executable), or None."""
     path = os.environ.get(UPSTREAM_BIN_ENV, "")
     if not path:
-        return f"{UPSTREAM_BIN_ENV} is not set (the path of an upstream Rust ztunnel binary; see README, Tests)"
+        return f"{UPSTREAM_BIN_ENV} is not set (the path of an upstream Rust ztunnel binary; see docs/testing.md)"
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
         return f"{UPSTREAM_BIN_ENV}={path} is not executable"
     return None
