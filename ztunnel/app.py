@@ -28,8 +28,9 @@ from ztunnel.identity.ca import CaError, LocalCA
 from ztunnel.identity.manager import CertificateProvider
 from ztunnel.localconfig import LocalConfig, load_local_config, parse_local_config
 from ztunnel.metrics import Registry, StatsServer
+from ztunnel.net import format_addr
 from ztunnel.proxy import Proxy
-from ztunnel.proxy.common import LocalWorkload, OnDemand, TlsContextCache, format_addr
+from ztunnel.proxy.common import LocalWorkload, OnDemand, TlsContextCache
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction
 from ztunnel.proxy.metrics import FLUSH_INTERVAL, TrafficMetrics, flush_periodically
 from ztunnel.proxyfactory import PodProxies, ProxyFactory

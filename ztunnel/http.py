@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ztunnel.config import SocketAddress
+from ztunnel.net import format_addr
 from ztunnel.sockets import SocketConfig, SocketFactory
 
 log = logging.getLogger("ztunnel.http")
@@ -156,7 +157,7 @@ class _Refused(asyncio.Protocol):
 
 def _peer(transport: asyncio.BaseTransport) -> str:
     peer = transport.get_extra_info("peername")
-    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "?"
+    return format_addr(peer[0], peer[1]) if isinstance(peer, tuple) and len(peer) >= 2 else "?"
 
 
 class HttpServer:
@@ -238,7 +239,7 @@ class HttpServer:
             self._refusing = 0
 
     def _where(self) -> str:
-        return ", ".join(f"{h}:{p}" if ":" not in h else f"[{h}]:{p}" for h, p in self.addresses)
+        return ", ".join(format_addr(h, p) for h, p in self.addresses)
 
     async def stop(self) -> None:
         for server in self._servers:
