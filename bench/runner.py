@@ -36,16 +36,8 @@ from bench.procstat import (
     time_wait_sockets,
     uss_bytes,
 )
-from bench.topology import (
-    MODES,
-    PATH_PROXIES,
-    LogIssue,
-    Topology,
-    make_topology,
-    mode_skip_reason,
-    topology_skip_reason,
-    wait_settled,
-)
+from bench.topologies import make_topology, mode_skip_reason, topology_skip_reason
+from bench.topology import MODES, PATH_PROXIES, LogIssue, Topology, wait_settled
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Above this share of the machine taken by others during a repetition, the report flags its numbers.
