@@ -15,7 +15,9 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from bench.runner import PROFILES, SCENARIOS, Options, main_run, parse_env
+from bench.profiles import PROFILES
+from bench.runner import Options, main_run, parse_env
+from bench.scenarios import SCENARIOS
 from bench.topologies import TOPOLOGIES
 from bench.topology import MODES
 

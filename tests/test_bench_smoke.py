@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.report import METRICS
-from bench.runner import SCENARIOS
+from bench.scenarios import SCENARIOS
 from bench.topologies import envoy_skip_reason
 from bench.topology import MODES
 

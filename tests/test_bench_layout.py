@@ -1,8 +1,10 @@
-"""The benchmark harness's modules import each other without cycles (lazy imports inside functions included)."""
+"""The benchmark harness's layout: its modules import each other without cycles (lazy imports inside functions
+included), and each scenario is a module of ``bench.scenarios`` behind one small interface."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,3 +74,22 @@ def test_bench_has_no_import_cycle() -> None:
     graph = import_graph("bench")
     assert graph.get("bench.runner"), "the graph is empty: the scan is broken"
     assert cycles(graph) == []
+
+
+def test_one_scenario_per_module() -> None:
+    from bench.scenarios import DATA, DATA_SCENARIOS, SCENARIOS
+    from bench.scenarios.base import DataScenario
+    from bench.scenarios.controlplane import ControlPlane
+
+    assert SCENARIOS == ("throughput", "latency", "connrate", "memory", "controlplane")  # the CLI's names, in order
+    assert SCENARIOS[:-1] == DATA_SCENARIOS
+    for cls in DATA:
+        assert issubclass(cls, DataScenario) and not getattr(cls, "__abstractmethods__", None), cls
+        assert cls.__module__ == f"bench.scenarios.{cls.name}", cls
+    assert ControlPlane.__module__ == f"bench.scenarios.{ControlPlane.name}"
+    # The orchestrator knows the interface, not the scenarios: no scenario's name in its code.
+    runner = (ROOT / "bench" / "runner.py").read_text(encoding="utf-8")
+    code = "\n".join(line for line in runner.splitlines() if not line.lstrip().startswith("#"))
+    body = code.split('"""', 2)[2]  # after the module docstring, which describes a repetition
+    body = re.sub(r'"op": "\w+"', "", body)  # a client command (the warm-up is 50 latency round trips)
+    assert not [name for name in DATA_SCENARIOS if f'"{name}"' in body]
