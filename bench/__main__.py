@@ -15,8 +15,11 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from bench.runner import PROFILES, SCENARIOS, Options, main_run, parse_env
-from bench.topology import MODES, TOPOLOGIES
+from bench.profiles import PROFILES
+from bench.runner import Options, main_run, parse_env
+from bench.scenarios import SCENARIOS
+from bench.topologies import TOPOLOGIES
+from bench.topology import MODES
 
 
 def _csv(allowed: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]]:

@@ -11,6 +11,7 @@ window.
 from __future__ import annotations
 
 import os
+import resource
 import time
 from collections.abc import Iterable, Mapping
 
@@ -139,3 +140,27 @@ def kernel_threads_cpu() -> float:
         if fields[1] == b"2" or entry.name == "2":  # ppid 2 (kthreadd) or kthreadd itself
             total += int(fields[11]) + int(fields[12])
     return total / _CLK_TCK
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process and its finished children."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+# A load snapshot: (wall clock, machine busy CPU, machine steal, CPU of the run's own processes and kernel threads).
+LoadSnapshot = tuple[float, float, float, float]
+
+
+def load_share(a: LoadSnapshot, b: LoadSnapshot) -> dict[str, float]:
+    """How much of the machine others took between two snapshots: CPU used by processes that are neither this
+    run's nor kernel threads, and hypervisor steal, each as a share of all cores' time. (Softirq time spent
+    in an idle CPU's context is counted as foreign: the estimate errs towards flagging.)"""
+    wall = max(1e-9, b[0] - a[0]) * (os.cpu_count() or 1)
+    ours = b[3] - a[3]
+    foreign = max(0.0, (b[1] - a[1]) - ours - (b[2] - a[2]))
+    return {
+        "foreign_cpu_share": round(foreign / wall, 3),
+        "steal_share": round((b[2] - a[2]) / wall, 3),
+        "loadavg_1m": os.getloadavg()[0],
+    }

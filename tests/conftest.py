@@ -10,6 +10,8 @@ import pytest
 import uvloop
 from hypothesis import HealthCheck, settings
 
+from ztunnel import thirdparty
+
 # `make fuzz` sets HYPOTHESIS_PROFILE=fuzz: random (not derandomized) exploration, failures kept in .hypothesis/,
 # and every fuzz test's bounded example count multiplied by max_examples / 100 (tests/fuzzing.py).
 settings.register_profile(
@@ -19,6 +21,12 @@ settings.register_profile(
     suppress_health_check=list(HealthCheck),
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The third-party patches, as App.start applies them in the product: tests that build HBONE connections or HTTP
+    # servers without an App see what production sees (HTTP/1.1 400 for garbage on 15000/15020/15021, ...).
+    thirdparty.apply()
 
 
 class _TestLoop(uvloop.Loop):

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from bench.report import METRICS
-from bench.runner import SCENARIOS
-from bench.topology import MODES, envoy_skip_reason
+from bench.scenarios import SCENARIOS
+from bench.topologies import envoy_skip_reason
+from bench.topology import MODES
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

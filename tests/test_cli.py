@@ -4,6 +4,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -173,6 +174,11 @@ def test_proxy_runs_on_local_config_and_exits_cleanly_on_sigterm(tmp_path: Path)
             if lines[-1]["message"].startswith("ztunnel started"):
                 break
         assert any(r["message"].startswith("loaded local config: 2 workloads") for r in lines), (lines, proc.poll())
+        # The third-party patches are applied at start by the app (this process has none of the test session's):
+        # garbage on 15021 gets hyper's HTTP/1.1 400, not aiohttp's HTTP/1.0 (ztunnel/thirdparty.py).
+        with socket.create_connection((ip, 15021), timeout=5) as s:
+            s.sendall(b"hello world\r\n\r\n")
+            assert s.recv(64).startswith(b"HTTP/1.1 400 ")
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=20)
     finally:

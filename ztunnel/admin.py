@@ -31,7 +31,7 @@ from ztunnel.http import HttpServer
 from ztunnel.identity.manager import CertificateState
 from ztunnel.identity.spiffe import Identity
 from ztunnel.localconfig import LocalConfig
-from ztunnel.proxy.common import format_addr
+from ztunnel.net import format_addr
 from ztunnel.proxy.connection_manager import ConnectionRecord
 from ztunnel.rbac import Authorization, Match, StringMatch, StringMatchKind
 from ztunnel.state import ProxyState

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
 
+from ztunnel import thirdparty
 from ztunnel.admin import AdminServer
 from ztunnel.config import Config, ProxyMode
 from ztunnel.dns.metrics import Metrics as DnsMetrics
@@ -27,8 +28,9 @@ from ztunnel.identity.ca import CaError, LocalCA
 from ztunnel.identity.manager import CertificateProvider
 from ztunnel.localconfig import LocalConfig, load_local_config, parse_local_config
 from ztunnel.metrics import Registry, StatsServer
+from ztunnel.net import format_addr
 from ztunnel.proxy import Proxy
-from ztunnel.proxy.common import LocalWorkload, OnDemand, TlsContextCache, format_addr
+from ztunnel.proxy.common import LocalWorkload, OnDemand, TlsContextCache
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction
 from ztunnel.proxy.metrics import FLUSH_INTERVAL, TrafficMetrics, flush_periodically
 from ztunnel.proxyfactory import PodProxies, ProxyFactory
@@ -81,6 +83,10 @@ class App:
 
     async def start(self) -> None:
         """Load state and start every component. Raises :class:`StartupError` with a clear message."""
+        try:
+            thirdparty.apply()  # once per process, before any connection (the module says what and why)
+        except thirdparty.PatchError as e:
+            raise StartupError(str(e)) from None
         for warning in self.config.warnings:  # settings given that have no effect yet (config.SETTINGS)
             log.warning("%s", warning)
         state_ready = self.readiness.register("state manager")

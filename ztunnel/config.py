@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from ztunnel.identity.spiffe import DEFAULT_TRUST_DOMAIN, Identity
+from ztunnel.net import format_addr
 
 # Ports (config.rs and ARCHITECTURE.md).
 DEFAULT_ADMIN_PORT = 15000
@@ -114,7 +115,7 @@ class SocketAddress:
         return self.host == "localhost"
 
     def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        return format_addr(self.host, self.port)
 
 
 class RootCertKind(enum.Enum):

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import grpc
 
 from ztunnel.config import DEFAULT_TOKEN_PROVIDER, AuthSource, RootCertKind, RootCertSource
+from ztunnel.net import format_addr
 
 __all__ = [
     "MAX_MESSAGE_SIZE",
@@ -126,8 +127,7 @@ def grpc_target(address: str, variable: str) -> str:
         port = parts.port or 443
     except ValueError:
         raise ControlPlaneError(f"{variable}={address!r}: invalid port") from None
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return f"{host}:{port}"
+    return format_addr(parts.hostname, port)
 
 
 def secure_channel(

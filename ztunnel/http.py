@@ -23,7 +23,9 @@ and with a 256-descriptor limit 300 of them made new HBONE connections fail):
   and scrapes need a handful. The trade-off: a client that keeps the cap full (it must re-open a connection every
   2 s per slot) makes probes of that port fail instead of the data path.
 
-A connection that timed out is closed without a response, as hyper does.
+A connection that timed out is closed without a response, as hyper does. A request that cannot be parsed is
+answered ``HTTP/1.1 400``, as hyper answers it, once :func:`ztunnel.thirdparty.apply` has run (``App.start`` runs it;
+aiohttp's own answer says HTTP/1.0).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ztunnel.config import SocketAddress
+from ztunnel.net import format_addr
 from ztunnel.sockets import SocketConfig, SocketFactory
 
 log = logging.getLogger("ztunnel.http")
@@ -60,19 +63,6 @@ class HttpLimits:
     head_timeout: float = HEAD_TIMEOUT
     idle_timeout: float = IDLE_TIMEOUT
     max_connections: int | None = None
-
-
-def _answer_bad_requests_in_http11() -> None:
-    """A request aiohttp cannot parse (plaintext garbage, TLS to a plain port) is answered from a placeholder
-    request that says HTTP/1.0, so the status line reads ``HTTP/1.0 400``. Upstream's hyper answers
-    ``HTTP/1.1 400``, and clients check it (upstream's ``malicious_calls_inpod`` reads exactly that on 15020 and
-    15021): make the placeholder HTTP/1.1. Process-wide, idempotent; only aiohttp servers are affected."""
-    from aiohttp import web_protocol
-    from aiohttp.http import HttpVersion11
-
-    placeholder = getattr(web_protocol, "ERROR", None)
-    if placeholder is not None and placeholder.version != HttpVersion11:
-        web_protocol.ERROR = placeholder._replace(version=HttpVersion11)
 
 
 class _Phase(enum.Enum):
@@ -167,7 +157,7 @@ class _Refused(asyncio.Protocol):
 
 def _peer(transport: asyncio.BaseTransport) -> str:
     peer = transport.get_extra_info("peername")
-    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "?"
+    return format_addr(peer[0], peer[1]) if isinstance(peer, tuple) and len(peer) >= 2 else "?"
 
 
 class HttpServer:
@@ -197,7 +187,6 @@ class HttpServer:
     async def start(self, addr: SocketAddress) -> None:
         from aiohttp import web
 
-        _answer_bad_requests_in_http11()
         cap = self.limits.max_connections
         self.max_connections = default_max_connections() if cap is None else cap
         if self.max_connections < 1:
@@ -250,7 +239,7 @@ class HttpServer:
             self._refusing = 0
 
     def _where(self) -> str:
-        return ", ".join(f"{h}:{p}" if ":" not in h else f"[{h}]:{p}" for h, p in self.addresses)
+        return ", ".join(format_addr(h, p) for h, p in self.addresses)
 
     async def stop(self) -> None:
         for server in self._servers:

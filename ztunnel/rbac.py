@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ztunnel.identity.spiffe import SPIFFE_PREFIX, Identity
+from ztunnel.net import format_addr
 
 T = TypeVar("T")
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -126,11 +127,9 @@ class Connection:
     dst_network: str = ""
 
     def __str__(self) -> str:
-        return f"{_addr(self.src_ip, self.src_port)}({self.src_identity})->{_addr(self.dst_ip, self.dst_port)}"
-
-
-def _addr(ip: IPAddress, port: int) -> str:
-    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+        return (
+            f"{format_addr(self.src_ip, self.src_port)}({self.src_identity})->{format_addr(self.dst_ip, self.dst_port)}"
+        )
 
 
 def _either(positive: Sequence[T], negative: Sequence[T], predicate: Callable[[T], bool]) -> bool:

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from ztunnel.config import Config, SocketAddress
+from ztunnel.net import format_addr
 from ztunnel.state.workload import IPAddress, canonical_ip
 
 SOL_IP = 0
@@ -334,7 +335,7 @@ class SocketFactory:
                 try:
                     _set_transparent(sock)
                 except OSError as e:
-                    where = f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+                    where = format_addr(ip, port)
                     raise TransparentError(
                         f"ENABLE_ORIG_SRC=true, but the listener {where} cannot be made transparent (IP_TRANSPARENT): "
                         f"{e} (it needs CAP_NET_ADMIN; unset ENABLE_ORIG_SRC for best effort, or set it to false)"

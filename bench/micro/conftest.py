@@ -7,6 +7,13 @@ from collections.abc import Iterator
 import pytest
 
 from bench.micro.pipes import HbonePair, hbone_pair
+from ztunnel import thirdparty
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Measure the hot functions as the product runs them: App.start applies these patches (h2's frame repr, hpack's
+    # DEBUG calls), and the benchmarks here drive the HBONE core without an App.
+    thirdparty.apply()
 
 
 @pytest.fixture

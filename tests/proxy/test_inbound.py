@@ -17,6 +17,7 @@ from typing import cast
 import pytest
 
 from ztunnel.config import WorkloadInfo
+from ztunnel.net import format_addr
 from ztunnel.proxy.common import ProxyInputs
 from ztunnel.proxy.inbound import (
     InboundRejected,
@@ -133,37 +134,33 @@ def inputs(state: ProxyState, local_ip: str, network: str = "") -> ProxyInputs:
     return cast(ProxyInputs, pi)
 
 
-def authority(host: str, port: int) -> str:
-    return f"{host}:{port}"
-
-
 # Upstream's test_find_inbound_upstream / test_build_inbound_request cases (plus waypoints by hostname).
 OK_CASES = {
-    "to workload no waypoint": (None, None, None, SERVER_POD, authority(SERVER_POD, TARGET_PORT), SERVER_POD, 8080),
-    "svc hostname to workload no waypoint": (None, None, None, SERVER_POD, authority(SERVER_HOST, 80), SERVER_POD, 8080),
+    "to workload no waypoint": (None, None, None, SERVER_POD, format_addr(SERVER_POD, TARGET_PORT), SERVER_POD, 8080),
+    "svc hostname to workload no waypoint": (None, None, None, SERVER_POD, format_addr(SERVER_HOST, 80), SERVER_POD, 8080),
     "to workload with waypoint referenced by pod": (
-        "workload", BY_POD, None, WAYPOINT_POD, authority(SERVER_POD, TARGET_PORT), WAYPOINT_POD, 8080,
+        "workload", BY_POD, None, WAYPOINT_POD, format_addr(SERVER_POD, TARGET_PORT), WAYPOINT_POD, 8080,
     ),
     "to workload with waypoint referenced by vip": (
-        "workload", BY_VIP, None, WAYPOINT_POD, authority(SERVER_POD, TARGET_PORT), WAYPOINT_POD, 8080,
+        "workload", BY_VIP, None, WAYPOINT_POD, format_addr(SERVER_POD, TARGET_PORT), WAYPOINT_POD, 8080,
     ),
     "to workload with waypoint referenced by hostname": (
-        "workload", BY_HOST, None, WAYPOINT_POD, authority(SERVER_POD, TARGET_PORT), WAYPOINT_POD, 8080,
+        "workload", BY_HOST, None, WAYPOINT_POD, format_addr(SERVER_POD, TARGET_PORT), WAYPOINT_POD, 8080,
     ),
     "to workload with app tunnel": (
-        "workload", BY_VIP, TUNNEL, WAYPOINT_POD, authority(SERVER_POD, TARGET_PORT), WAYPOINT_POD, PROXY_PORT,
+        "workload", BY_VIP, TUNNEL, WAYPOINT_POD, format_addr(SERVER_POD, TARGET_PORT), WAYPOINT_POD, PROXY_PORT,
     ),
     "to service with waypoint referenced by pod": (
-        "service", BY_POD, None, WAYPOINT_POD, authority(SERVER_SVC, TARGET_PORT), WAYPOINT_POD, 8080,
+        "service", BY_POD, None, WAYPOINT_POD, format_addr(SERVER_SVC, TARGET_PORT), WAYPOINT_POD, 8080,
     ),
     "to service with waypoint referenced by vip": (
-        "service", BY_VIP, None, WAYPOINT_POD, authority(SERVER_SVC, TARGET_PORT), WAYPOINT_POD, 8080,
+        "service", BY_VIP, None, WAYPOINT_POD, format_addr(SERVER_SVC, TARGET_PORT), WAYPOINT_POD, 8080,
     ),
     "to service with waypoint referenced by hostname": (
-        "service", BY_HOST, None, WAYPOINT_POD, authority(SERVER_SVC, TARGET_PORT), WAYPOINT_POD, 8080,
+        "service", BY_HOST, None, WAYPOINT_POD, format_addr(SERVER_SVC, TARGET_PORT), WAYPOINT_POD, 8080,
     ),
     "to service with app tunnel": (
-        "service", BY_VIP, TUNNEL, WAYPOINT_POD, authority(SERVER_SVC, TARGET_PORT), WAYPOINT_POD, PROXY_PORT,
+        "service", BY_VIP, TUNNEL, WAYPOINT_POD, format_addr(SERVER_SVC, TARGET_PORT), WAYPOINT_POD, PROXY_PORT,
     ),
 }  # fmt: skip
 
@@ -192,7 +189,7 @@ def test_inbound_destination_rejected(case: str) -> None:
     attach, gw, conn_dst, target = ERROR_CASES[case]
     pi = inputs(state_with(attach, gw), conn_dst)
     with pytest.raises(InboundRejected) as e:
-        build_inbound_request(pi, "CONNECT", authority(target, TARGET_PORT), ip(conn_dst), {})
+        build_inbound_request(pi, "CONNECT", format_addr(target, TARGET_PORT), ip(conn_dst), {})
     assert e.value.status == 400
     assert str(e.value) == f"ip mismatch: {target} != {conn_dst}"
 
@@ -203,7 +200,7 @@ def test_illegal_port_is_checked_before_the_app_tunnel_port() -> None:
     pi = inputs(state_with("service", BY_VIP, TUNNEL), WAYPOINT_POD)
     for port in sorted(ILLEGAL):
         with pytest.raises(InboundRejected) as e:
-            build_inbound_request(pi, "CONNECT", authority(SERVER_SVC, port), ip(WAYPOINT_POD), {})
+            build_inbound_request(pi, "CONNECT", format_addr(SERVER_SVC, port), ip(WAYPOINT_POD), {})
         assert (e.value.status, str(e.value)) == (503, "attempted recursive call to ourselves")
 
 
@@ -242,22 +239,22 @@ def service_of(headers: dict[str, str], auth: str, **kw: object) -> str | None:
 
 
 def test_forwarded_host_is_accepted_only_for_a_service_of_the_destination() -> None:
-    to_8080 = authority(SERVER_POD, 8080)
+    to_8080 = format_addr(SERVER_POD, 8080)
     # Named by the client and one of ours: that one, even though the port says "server".
     assert service_of({"forwarded": f'for="1.2.3.4:5";host={OTHER.hostname}'}, to_8080) == OTHER.hostname
     # Invented, or a real service that does not select this workload: ignored; the port decides.
     for host in ("invented.example", STRANGER.hostname, "x" * 10_000):
         assert service_of({"forwarded": f"host={host}"}, to_8080) == SERVER_HOST
     # Nothing matches the port: unknown, whatever the header said.
-    assert service_of({"forwarded": "host=invented.example"}, authority(SERVER_POD, 7777)) is None
+    assert service_of({"forwarded": "host=invented.example"}, format_addr(SERVER_POD, 7777)) is None
 
 
 def test_destination_service_by_target_port_or_named_port() -> None:
-    assert service_of({}, authority(SERVER_POD, 8080)) == SERVER_HOST
-    assert service_of({}, authority(SERVER_POD, 9090)) == OTHER.hostname  # other: 81 -> 9090
-    assert service_of({}, authority(SERVER_POD, 7070)) is None
+    assert service_of({}, format_addr(SERVER_POD, 8080)) == SERVER_HOST
+    assert service_of({}, format_addr(SERVER_POD, 9090)) == OTHER.hostname  # other: 81 -> 9090
+    assert service_of({}, format_addr(SERVER_POD, 7070)) is None
     # A named port (target 0 on the service) resolved through this endpoint's own port map.
-    assert service_of({}, authority(SERVER_POD, 7070), endpoint_ports={80: 7070}, server_ports={80: 0}) == SERVER_HOST
+    assert service_of({}, format_addr(SERVER_POD, 7070), endpoint_ports={80: 7070}, server_ports={80: 0}) == SERVER_HOST
 
 
 def test_hostname_authority_offers_only_that_service() -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from ztunnel.identity.spiffe import Identity
+from ztunnel.net import format_addr
 from ztunnel.proxy.common import ProxyError, ResponseFlag
 from ztunnel.proxy.outbound import OutboundProtocol, Request, build_request
 from ztunnel.state import ProxyState, StateUpdate
@@ -136,9 +137,7 @@ def run(
 
 
 def fmt(a: tuple[IPAddress, int] | None) -> str:
-    if a is None:
-        return ""
-    return f"[{a[0]}]:{a[1]}" if a[0].version == 6 else f"{a[0]}:{a[1]}"
+    return "" if a is None else format_addr(*a)
 
 
 def summary(req: Request) -> tuple[str, str, str]:

@@ -18,6 +18,7 @@ import pytest
 
 from tests.robustness import client_hello, raise_nofile
 from ztunnel.app import App
+from ztunnel.net import format_addr
 from ztunnel.proxy import Proxy
 from ztunnel.proxy.hbone import connection
 from ztunnel.testing import EchoServer, TwoNodeMesh, running_app
@@ -31,7 +32,7 @@ def proxy_of(app: object) -> Proxy:
 
 
 def addr(sock_name: tuple[str, int]) -> str:
-    return f"{sock_name[0]}:{sock_name[1]}"
+    return format_addr(sock_name[0], sock_name[1])
 
 
 async def until_closed(reader: asyncio.StreamReader) -> bytes:

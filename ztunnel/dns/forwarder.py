@@ -34,6 +34,7 @@ import dns.rcode
 import dns.resolver
 
 from ztunnel.config import ProxyMode
+from ztunnel.net import format_addr
 from ztunnel.sockets import SocketFactory, connect, family_of
 from ztunnel.state.workload import IPAddress, Workload, canonical_ip
 
@@ -68,7 +69,7 @@ class Nameserver:
     port: int = 53
 
     def __str__(self) -> str:
-        return f"[{self.ip}]:{self.port}" if self.ip.version == 6 else f"{self.ip}:{self.port}"
+        return format_addr(self.ip, self.port)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 
+from ztunnel.net import format_addr
 from ztunnel.proxy.common import ProxyInputs
 from ztunnel.proxy.connection_manager import CLOSED_FROM_DRAIN, Authorizer, PolicyWatcher
 from ztunnel.proxy.inbound import Inbound
@@ -46,10 +47,10 @@ class Proxy:
         self.policy_watcher.start()
         log.info(
             "proxy listening: outbound %s, inbound %s, inbound plaintext %s%s",
-            _fmt(self.outbound.address),
-            _fmt(self.inbound.address),
-            _fmt(self.inbound_passthrough.address),
-            f", socks5 {_fmt(self.socks5.address)}" if self.socks5 is not None else "",
+            format_addr(*self.outbound.address),
+            format_addr(*self.inbound.address),
+            format_addr(*self.inbound_passthrough.address),
+            f", socks5 {format_addr(*self.socks5.address)}" if self.socks5 is not None else "",
         )
 
     def stop_listening(self) -> None:
@@ -84,11 +85,6 @@ class Proxy:
         self.pi.pool.abort(reason)
         for conn in list(self.inbound.connections):
             conn.abort(reason)
-
-
-def _fmt(addr: tuple[str, int]) -> str:
-    host, port = addr[0], addr[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 __all__ = ["Proxy", "ProxyInputs"]

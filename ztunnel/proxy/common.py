@@ -20,6 +20,7 @@ from ztunnel.drain import Drain
 from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.manager import CertificateProvider
 from ztunnel.identity.spiffe import Identity
+from ztunnel.net import format_addr
 from ztunnel.sockets import SocketFactory
 from ztunnel.state import ProxyState, StateChange
 from ztunnel.state.workload import IPAddress, NetworkAddress, Workload
@@ -70,10 +71,6 @@ def os_error_reason(e: OSError) -> str:
     """The reason of a failed socket call as the operator knows it (``Connection refused``), not the event loop's
     wording (``Connect call failed ('10.0.0.1', 15008)``, which hides the errno)."""
     return os.strerror(e.errno) if e.errno else (e.strerror or str(e))
-
-
-def format_addr(ip: IPAddress, port: int) -> str:
-    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
 def forwarded_header(src: tuple[IPAddress, int], service_hostname: str | None) -> str:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 from ztunnel.identity.spiffe import Identity
 from ztunnel.metrics import Labels
-from ztunnel.proxy.common import ResponseFlag, format_addr
+from ztunnel.net import format_addr
+from ztunnel.proxy.common import ResponseFlag
 from ztunnel.proxy.metrics import ConnectionMetrics, DerivedWorkload, TrafficMetrics, traffic_labels
 from ztunnel.rbac import Connection
 from ztunnel.state import ProxyState, StateChange

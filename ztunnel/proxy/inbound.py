@@ -37,7 +37,6 @@ from ztunnel.proxy.common import (
     ProxyError,
     ProxyInputs,
     ResponseFlag,
-    format_addr,
 )
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
 from ztunnel.proxy.hbone.connection import HboneTransport
@@ -550,4 +549,4 @@ def local_addr_of(conn: HboneTransport) -> tuple[IPAddress, int]:
     return ipaddress.ip_address(conn.local[0]), conn.local[1]
 
 
-__all__ = ["Inbound", "InboundRejected", "build_inbound_request", "format_addr", "parse_authority"]
+__all__ = ["Inbound", "InboundRejected", "build_inbound_request", "parse_authority"]

@@ -29,6 +29,7 @@ from ipaddress import ip_address
 
 from ztunnel import baggage
 from ztunnel.identity.spiffe import Identity
+from ztunnel.net import format_addr
 from ztunnel.proxy.common import (
     BAGGAGE_HEADER,
     CONNECTION_TIMEOUT,
@@ -37,7 +38,6 @@ from ztunnel.proxy.common import (
     ProxyError,
     ProxyInputs,
     ResponseFlag,
-    format_addr,
     forwarded_header,
     new_traceparent,
     os_error_reason,

@@ -22,12 +22,12 @@ from ztunnel import tls
 from ztunnel.config import Config
 from ztunnel.identity.manager import CertificateProvider
 from ztunnel.identity.spiffe import Identity
+from ztunnel.net import format_addr
 from ztunnel.proxy.common import (
     CONNECTION_TIMEOUT,
     ProxyError,
     ResponseFlag,
     TlsContextCache,
-    format_addr,
     os_error_reason,
 )
 from ztunnel.proxy.hbone.connection import HboneTransport

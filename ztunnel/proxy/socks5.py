@@ -22,7 +22,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import cast
 
-from ztunnel.proxy.common import ProxyError, ProxyInputs, ResponseFlag, format_addr
+from ztunnel.net import format_addr
+from ztunnel.proxy.common import ProxyError, ProxyInputs, ResponseFlag
 from ztunnel.proxy.connection_manager import Direction, log_failed
 from ztunnel.proxy.relay import PlainConnection
 from ztunnel.sockets import peer_addr, set_accepted_options

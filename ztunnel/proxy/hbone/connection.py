@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Protocol, cast
 
 from ztunnel.identity.spiffe import Identity
+from ztunnel.net import format_addr
 from ztunnel.proxy.hbone.core import (
     ConnectRequested,
     ConnectResponded,
@@ -440,8 +441,7 @@ class HboneTransport(asyncio.BufferedProtocol):
 def _format_peer(peer: tuple[str, int] | None) -> str:
     if peer is None:
         return "an unknown peer"
-    host, port = peer[:2]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return format_addr(peer[0], peer[1])
 
 
 def _ssl_reason(e: BaseException) -> str:

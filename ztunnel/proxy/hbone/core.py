@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 import struct
 import time
 from collections.abc import Callable, Iterable
@@ -46,9 +45,8 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
-import h2.utilities
-import hpack.hpack
-import hyperframe.frame
+
+from ztunnel import thirdparty
 
 # Frame header: 24-bit length + 8-bit type packed as one u32, then flags (u8) and stream id (u32).
 _HEADER = struct.Struct(">IBI")
@@ -80,28 +78,6 @@ _PREFACE_SIZE = 24
 # should read a socket's worth (256 KiB) per call.
 _MIN_BUFFER = 16 * 1024
 _READ_CHUNK = 256 * 1024
-
-
-class _NoLog:
-    """hpack logs every integer and header field it encodes or decodes at DEBUG: about 20 ``Logger.debug`` calls per
-    CONNECT, each also an ``isEnabledFor`` check, ~5% of a proxy's CPU per new connection (cProfile, connection-rate
-    benchmark). Nothing in ztunnel wants those lines, so hpack's module logger is replaced by this no-op."""
-
-    def debug(self, *args: object, **kwargs: object) -> None:
-        pass
-
-
-hpack.hpack.log = _NoLog()  # type: ignore[assignment]
-
-
-def _frame_repr(frame: hyperframe.frame.Frame) -> str:
-    return f"{type(frame).__name__}(stream_id={frame.stream_id})"
-
-
-# h2 formats every frame it receives for a trace line before knowing whether anything logs it
-# (``logger.trace("Received frame: %s", repr(frame))``), and hyperframe's repr hex-encodes the payload: 1.5 µs per
-# HEADERS frame, 0.4 µs per WINDOW_UPDATE, against 0.1 µs for this short form (type and stream are kept).
-hyperframe.frame.Frame.__repr__ = _frame_repr  # type: ignore[method-assign]
 
 
 class ErrorCode(enum.IntEnum):
@@ -320,12 +296,8 @@ class HboneConnection:
             normalize_outbound_headers=False,
         )
         self.h2 = h2.connection.H2Connection(config=config)
-        self.h2._closed_streams = h2.utilities.SizeLimitDict(size_limit=_CLOSED_STREAMS_REMEMBERED)
-        # Header values are sent as plain literals, not Huffman-coded: hpack's pure-Python Huffman decoder was the
-        # biggest single cost of a CONNECT on the receiving side (~15% of its CPU per new connection), while the
-        # bytes saved (~20% of a ~100-byte header block, once per stream) are irrelevant. Any HPACK decoder (Rust
-        # h2, Envoy) accepts both forms.
-        self.h2.encoder.encode = functools.partial(self.h2.encoder.encode, huffman=False)  # type: ignore[method-assign]
+        # At most _CLOSED_STREAMS_REMEMBERED closed streams, header values as plain literals (the numbers: there).
+        thirdparty.adjust_h2(self.h2, closed_streams=_CLOSED_STREAMS_REMEMBERED)
         self.streams: dict[int, _Stream] = {}
         # Allocated at the first receive: a connection still in its TLS handshake (or stalled there) costs none.
         self._buf = bytearray()

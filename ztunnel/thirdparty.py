@@ -1,0 +1,251 @@
+"""Every change ztunnel makes to another library's internals, in one place.
+
+Two kinds:
+
+* **Process-wide patches**, installed by :func:`apply`: module attributes of hpack, hyperframe and aiohttp are
+  replaced. :func:`apply` runs once, at start (:meth:`ztunnel.app.App.start`, so the ``ztunnel`` command, the demo
+  and every in-process app), and in the test session (``tests/conftest.py``) and the micro-benchmarks
+  (``bench/micro/conftest.py``). Nothing is patched on import: importing any ztunnel module, the sans-IO HBONE core
+  included, leaves the other libraries as they are (``tests/test_thirdparty.py`` checks it in a fresh interpreter).
+* **Per-connection adjustments** of h2's internals (:func:`adjust_h2`), made by the HBONE core on each
+  ``H2Connection`` it creates; they touch that object only.
+
+Each patch names the versions of its library it was written for: from the lowest that ``pyproject.toml`` admits
+(read there) to the next major version, exclusive. Outside that range a patch is not applied and one warning says
+which and why; a patch that correctness depends on stops startup instead (:class:`PatchError`). Inside it, each
+install still checks the structure it replaces and fails loudly if that is missing. ``tests/test_thirdparty.py``
+has one test per patch that fails when the internals it relies on change.
+
+Nothing of ztunnel is imported here: any layer may use this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("ztunnel.thirdparty")
+
+
+class PatchError(Exception):
+    """A patch that correctness depends on cannot be applied to the installed library; the message says which
+    library, which version and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class Patch:
+    """One change to another library, and the versions of that library it was written for."""
+
+    name: str  # what is replaced
+    distribution: str  # the package whose version is checked
+    lowest: tuple[int, ...]  # the oldest version checked (inclusive)
+    below: tuple[int, ...]  # the first version not known (exclusive)
+    required: bool  # correctness depends on it: outside the range, startup fails
+    without: str  # what is lost when it is not applied (the warning's "why")
+
+    @property
+    def range(self) -> str:
+        return f">={_dotted(self.lowest)},<{_dotted(self.below)}"
+
+    def unsupported(self, version: str | None) -> str | None:
+        """Why this patch must not be applied to ``version`` of its library (None: unknown), or None if it may."""
+        if version is None:
+            return f"{self.distribution}'s version is unknown (no package metadata); written for {self.range}"
+        if self.lowest <= _release(version) < self.below:
+            return None
+        return f"{self.distribution} {version} is outside the versions it was written for ({self.range})"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"4.2.0"`` -> ``(4, 2, 0)``; pre-release and local suffixes (``rc1``, ``+x``) are ignored."""
+    m = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(x) for x in m.group(0).split(".")) if m else ()
+
+
+def _dotted(release: tuple[int, ...]) -> str:
+    return ".".join(map(str, release))
+
+
+def installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# -- process-wide patches ---------------------------------------------------------------------------------------
+
+HPACK_DEBUG_LOG = Patch(
+    name="hpack.hpack.log (a no-op logger)",
+    distribution="hpack",
+    lowest=(4, 0),  # h2 4.1 (pyproject's lowest) needs hpack>=4.0; checked in 4.0.0 and 4.2.0
+    below=(5,),
+    required=False,  # speed only: without it hpack logs nothing either (DEBUG is off), it just costs more
+    without="hpack's per-field DEBUG calls stay (~5% of a proxy's CPU per new connection)",
+)
+
+
+class _NoLog:
+    """hpack logs every integer and header field it encodes or decodes at DEBUG: about 20 ``Logger.debug`` calls per
+    CONNECT, each also an ``isEnabledFor`` check, ~5% of a proxy's CPU per new connection (cProfile, connection-rate
+    benchmark; with plain literals below: CPU per new connection ztunnel A 403 -> 341 µs, B 457 -> 390 µs). Nothing
+    in ztunnel wants those lines, so hpack's module logger is replaced by this no-op. hpack only ever calls
+    ``log.debug`` on it (tests/test_thirdparty.py reads hpack's source to keep that true)."""
+
+    def debug(self, *args: object, **kwargs: object) -> None:
+        pass
+
+
+def _install_hpack_debug_log() -> None:
+    import hpack.hpack
+
+    if not isinstance(getattr(hpack.hpack, "log", None), logging.Logger | _NoLog):
+        raise PatchError(f"hpack.hpack.log is not a logger in hpack {installed_version('hpack')}")
+    hpack.hpack.log = _NoLog()  # type: ignore[assignment]
+
+
+FRAME_REPR = Patch(
+    name="hyperframe.frame.Frame.__repr__ (type and stream id only)",
+    distribution="hyperframe",
+    lowest=(6, 0),  # h2 4.1 needs hyperframe>=6.0; checked in 6.0.0 and 6.1.0
+    below=(7,),
+    required=False,  # speed only: a repr is for log lines
+    without="h2 hex-encodes every received frame's payload for a trace line nobody reads (~1.5 µs per HEADERS)",
+)
+
+
+def _frame_repr(frame: Any) -> str:
+    # h2 formats every frame it receives for a trace line before knowing whether anything logs it
+    # (``logger.trace("Received frame: %s", repr(frame))``), and hyperframe's repr hex-encodes the payload: 1.5 µs
+    # per HEADERS frame, 0.4 µs per WINDOW_UPDATE, against 0.1 µs for this short form (type and stream are kept).
+    return f"{type(frame).__name__}(stream_id={frame.stream_id})"
+
+
+def _install_frame_repr() -> None:
+    import hyperframe.frame
+
+    hyperframe.frame.Frame.__repr__ = _frame_repr  # type: ignore[method-assign]
+
+
+AIOHTTP_HTTP11_ERRORS = Patch(
+    name="aiohttp.web_protocol.ERROR (the placeholder request of an unparsable one says HTTP/1.1)",
+    distribution="aiohttp",
+    lowest=(3, 9),  # pyproject's lowest; checked in 3.9.0 and 3.14.5
+    below=(4,),
+    # Required: what the probe and stats ports answer is wire behaviour, which must match upstream (see below).
+    required=True,
+    without="a request that cannot be parsed on 15000/15020/15021 is answered HTTP/1.0 400, not upstream's HTTP/1.1",
+)
+
+
+def _install_aiohttp_http11_errors() -> None:
+    # A request aiohttp cannot parse (plaintext garbage, TLS to a plain port) is answered from a placeholder request
+    # that says HTTP/1.0, so the status line reads ``HTTP/1.0 400``. Upstream's hyper answers ``HTTP/1.1 400``, and
+    # clients check it (upstream's ``malicious_calls_inpod`` reads exactly that on 15020 and 15021): make the
+    # placeholder HTTP/1.1. Only aiohttp servers are affected, and ztunnel's are its only ones.
+    from aiohttp import web_protocol
+    from aiohttp.http import HttpVersion11
+
+    placeholder = getattr(web_protocol, "ERROR", None)
+    if placeholder is None or not hasattr(placeholder, "_replace") or not hasattr(placeholder, "version"):
+        raise PatchError(
+            f"aiohttp {installed_version('aiohttp')} has no web_protocol.ERROR placeholder request to answer "
+            "unparsable requests in HTTP/1.1 (ztunnel/thirdparty.py)"
+        )
+    if placeholder.version != HttpVersion11:
+        web_protocol.ERROR = placeholder._replace(version=HttpVersion11)
+
+
+_PROCESS_WIDE = (
+    (HPACK_DEBUG_LOG, _install_hpack_debug_log),
+    (FRAME_REPR, _install_frame_repr),
+    (AIOHTTP_HTTP11_ERRORS, _install_aiohttp_http11_errors),
+)
+
+# -- per-connection adjustments of h2 ---------------------------------------------------------------------------
+
+H2_CLOSED_STREAMS = Patch(
+    name="H2Connection._closed_streams (bounded)",
+    distribution="h2",
+    lowest=(4, 1),  # pyproject's lowest; checked in 4.1.0 and 4.4.1
+    below=(5,),
+    # A memory bound, not correctness: without it h2 remembers up to 65,536 closed streams per connection.
+    required=False,
+    without="each pooled connection may keep up to ~11 MiB of closed-stream records (h2's own bound, 65,536)",
+)
+
+HPACK_PLAIN_LITERALS = Patch(
+    name="H2Connection.encoder.encode (plain literals, no Huffman coding)",
+    distribution="hpack",
+    lowest=(4, 0),  # checked in 4.0.0 and 4.2.0
+    below=(5,),
+    required=False,  # any HPACK decoder accepts both forms; speed only
+    without="header values are Huffman-coded (~15% of the receiving proxy's CPU per new connection)",
+)
+
+PATCHES = (*(p for p, _ in _PROCESS_WIDE), H2_CLOSED_STREAMS, HPACK_PLAIN_LITERALS)
+
+
+_decisions: dict[str, bool] = {}  # by patch name (a str hashes once; the HBONE core asks per connection)
+
+
+def enabled(patch: Patch) -> bool:
+    """Whether ``patch`` applies to the installed library; decided (and warned about) once per process.
+
+    Raises :class:`PatchError` for a required patch that does not apply."""
+    decided = _decisions.get(patch.name)
+    if decided is None:
+        decided = _decisions[patch.name] = _decide(patch)
+    return decided
+
+
+def _decide(patch: Patch) -> bool:
+    reason = patch.unsupported(installed_version(patch.distribution))
+    if reason is None:
+        return True
+    if patch.required:
+        raise PatchError(
+            f"cannot apply {patch.name}: {reason}, and correctness depends on it ({patch.without}); install a "
+            f"version in that range, or update ztunnel/thirdparty.py"
+        )
+    log.warning("not applying %s: %s; so %s", patch.name, reason, patch.without)
+    return False
+
+
+_applied = False
+
+
+def apply() -> None:
+    """Install the process-wide patches (idempotent) and decide the per-connection ones, so that every warning
+    appears at start. Raises :class:`PatchError` (before installing anything) when a required one cannot apply."""
+    global _applied
+    if _applied:
+        return
+    usable = [(p, install) for p, install in _PROCESS_WIDE if enabled(p)]  # may raise: nothing installed yet
+    for p in PATCHES:
+        enabled(p)
+    for _, install in usable:
+        install()
+    _applied = True
+
+
+def adjust_h2(conn: Any, closed_streams: int) -> None:
+    """Adjust one new ``h2.connection.H2Connection``: remember at most ``closed_streams`` closed streams, and send
+    header values as plain literals. Touches ``conn`` only."""
+    if enabled(H2_CLOSED_STREAMS):
+        import h2.utilities
+
+        # How many closed streams h2 remembers the ending of (reset or END_STREAM), to answer a late frame on one
+        # with RST_STREAM instead of a connection error. h2's own bound is 65,536: ~11 MiB of OrderedDict on every
+        # pooled connection that has carried that many streams, for the connection's life (the soak found it).
+        conn._closed_streams = h2.utilities.SizeLimitDict(size_limit=closed_streams)
+    if enabled(HPACK_PLAIN_LITERALS):
+        # Header values are sent as plain literals, not Huffman-coded: hpack's pure-Python Huffman decoder was the
+        # biggest single cost of a CONNECT on the receiving side (~15% of its CPU per new connection), while the
+        # bytes saved (~20% of a ~100-byte header block, once per stream) are irrelevant. Any HPACK decoder (Rust
+        # h2, Envoy) accepts both forms.
+        conn.encoder.encode = functools.partial(conn.encoder.encode, huffman=False)
