@@ -68,6 +68,7 @@ from xds.istio.workload import workload_pb2 as wl_pb
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import DEFAULT_TRUST_DOMAIN, Identity
 from ztunnel.localconfig import LocalConfig, LocalConfigError, load_local_config, parse_local_config
+from ztunnel.net import format_addr
 from ztunnel.standins.istiod.ca import DEFAULT_MAX_TTL, CaPolicy, CaRefused, node_identity
 from ztunnel.standins.istiod.convert import ConvertError, pack, resources_from_update
 from ztunnel.state import StateUpdate
@@ -473,8 +474,7 @@ class XdsServer:
     @property
     def url(self) -> str:
         """``https://host:port``, for ``XDS_ADDRESS`` / ``CA_ADDRESS``."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"https://{host}:{self.port}"
+        return f"https://{format_addr(self.host, self.port)}"
 
     @property
     def snapshot(self) -> Snapshot:
@@ -501,15 +501,15 @@ class XdsServer:
         )
         pb_grpc.add_AggregatedDiscoveryServiceServicer_to_server(_Ads(self), server)  # type: ignore[no-untyped-call]
         ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(_Ca(self), server)  # type: ignore[no-untyped-call]
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        listen = format_addr(self.host, self.port)
         try:
-            port = server.add_secure_port(f"{host}:{self.port}", grpc.ssl_server_credentials([(key, chain)]))
+            port = server.add_secure_port(listen, grpc.ssl_server_credentials([(key, chain)]))
         except RuntimeError as e:  # newer gRPC raises instead of returning 0
             port, error = 0, f": {e}"
         else:
             error = ""
         if port == 0:
-            raise OSError(f"cannot listen on {host}:{self.port} (in use, or not a local address){error}")
+            raise OSError(f"cannot listen on {listen} (in use, or not a local address){error}")
         self.port = port
         await server.start()
         self._server = server
