@@ -39,11 +39,11 @@ from ztunnel.proxy.common import (
     ResponseFlag,
     format_addr,
 )
+from ztunnel.proxy.connect import INTERRUPTED, connect_interruptible
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
 from ztunnel.proxy.hbone.connection import HboneTransport
 from ztunnel.proxy.hbone.core import ConnectRequested, ErrorCode, HboneConnection, Settings
 from ztunnel.proxy.metrics import DerivedWorkload
-from ztunnel.proxy.outbound import connect_plain
 from ztunnel.proxy.relay import HboneStream, PlainConnection
 from ztunnel.rbac import Connection
 from ztunnel.sockets import local_dst, peer_addr, set_accepted_options
@@ -60,7 +60,6 @@ AuthorizeFn = Callable[[Connection, Workload], str | None]
 
 # The access log's error for a stream that went away (peer reset, connection lost) before the app answered.
 STREAM_GONE = "stream closed before the connection to the app was established"
-INTERRUPTED = "connection to the app interrupted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,7 +424,7 @@ class Inbound:
         """Connect to the app (503 if it fails); a policy that denies the stream meanwhile makes it a 401."""
         spoof = client_ip if self.transparent and client_ip != dst[0] else None
         try:
-            upstream = await connect_interruptible(self.pi, record, dst, spoof, self.transparent)
+            upstream = await connect_interruptible(self.pi.sockets, record, dst, spoof, self.transparent)
         except ProxyError as e:
             raise InboundRejected(503, str(e)) from None
         if upstream is None:
@@ -460,41 +459,6 @@ class Inbound:
         if not record.id:
             pi.connections.register(record, established=False)
         pi.connections.release(record, e.flag, str(e))
-
-
-async def connect_interruptible(
-    pi: ProxyInputs,
-    record: ConnectionRecord,
-    dst: tuple[IPAddress, int],
-    bind_src: IPAddress | None,
-    transparent: bool,
-) -> PlainConnection | None:
-    """``connect_plain`` for a connection already tracked (``record``), which the connection manager can interrupt
-    through ``record.closer`` (a policy change that denies it, a forced drain): then None, with the half-open socket
-    closed, and ``record.forced`` says why. Raises ProxyError when the connect fails."""
-    upstream: PlainConnection | None = None
-    try:
-        async with asyncio.timeout(None) as held:
-            record.closer = _interrupter(held)
-            upstream = await connect_plain(pi, dst, bind_src=bind_src, transparent=transparent)
-    except TimeoutError:
-        pass  # our interruption (connect_plain reports its own timeout as a ProxyError); it closed its socket
-    finally:
-        record.closer = None
-    if record.forced is not None and upstream is not None:
-        upstream.close()  # interrupted just as the connect completed
-        return None
-    return upstream
-
-
-def _interrupter(held: asyncio.Timeout) -> Callable[[str], None]:
-    """A ``closer`` for a connection still connecting: ends the ``held`` block at once, as a timeout."""
-
-    def interrupt(reason: str) -> None:
-        if not held.expired():
-            held.reschedule(0)  # in the past: fires on the next loop iteration
-
-    return interrupt
 
 
 def _check_source_identity(source: Workload, identity: Identity | None, ip: IPAddress) -> None:

@@ -14,8 +14,9 @@ import logging
 import socket
 
 from ztunnel.proxy.common import ProxyError, ProxyInputs, ResponseFlag
+from ztunnel.proxy.connect import INTERRUPTED, connect_interruptible
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
-from ztunnel.proxy.inbound import INTERRUPTED, AuthorizeFn, connect_interruptible, guess_inbound_service, services_of
+from ztunnel.proxy.inbound import AuthorizeFn, guess_inbound_service, services_of
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.rbac import Connection
 from ztunnel.sockets import local_dst, original_dst, peer_addr, set_accepted_options
@@ -95,7 +96,7 @@ class InboundPassthrough:
             return
         spoof = src[0] if self.transparent and src[0] != dst[0] else None
         try:
-            upstream = await connect_interruptible(pi, record, dst, spoof, self.transparent)
+            upstream = await connect_interruptible(pi.sockets, record, dst, spoof, self.transparent)
         except ProxyError as e:
             plain.close()
             pi.connections.release(record, ResponseFlag.CONNECT, str(e))

@@ -25,13 +25,11 @@ import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from ipaddress import ip_address
 
 from ztunnel import baggage
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.common import (
     BAGGAGE_HEADER,
-    CONNECTION_TIMEOUT,
     FORWARDED_HEADER,
     TRACEPARENT_HEADER,
     ProxyError,
@@ -40,23 +38,17 @@ from ztunnel.proxy.common import (
     format_addr,
     forwarded_header,
     new_traceparent,
-    os_error_reason,
 )
+from ztunnel.proxy.connect import connect_plain
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
 from ztunnel.proxy.metrics import DerivedWorkload
 from ztunnel.proxy.pool import WorkloadKey
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.sockets import (
-    connect,
-    family_of,
     local_dst,
     original_dst,
     peer_addr,
     set_accepted_options,
-    set_bind_no_port,
-    set_freebind,
-    set_transparent,
-    sockaddr,
 )
 from ztunnel.state import ProxyState
 from ztunnel.state.service import LoadBalancerMode
@@ -345,7 +337,7 @@ class Outbound:
         ready: Callable[[ProxyError | None], None] | None,
     ) -> None:
         pi = self.pi
-        upstream = await connect_plain(pi, req.actual_destination)
+        upstream = await connect_plain(pi.sockets, req.actual_destination)
         record.bytes_sent = lambda: upstream.bytes_read
         record.bytes_recv = lambda: upstream.bytes_written
         relay = PlainRelay(
@@ -356,43 +348,6 @@ class Outbound:
         if ready is not None:
             ready(None)
         relay.start()
-
-
-async def connect_plain(
-    pi: ProxyInputs, dst: tuple[IPAddress, int], bind_src: IPAddress | None = None, transparent: bool = False
-) -> PlainConnection:
-    """A plaintext TCP connection to ``dst`` (10 s timeout), optionally from a spoofed source IP."""
-    loop = asyncio.get_running_loop()
-    try:
-        sock = pi.sockets.tcp(family_of(dst[0]), bind_source=bind_src is None)
-    except OSError as e:  # EMFILE above all: a clear failure for this connection, not a crashed task
-        raise ProxyError(f"failed to connect to {format_addr(*dst)}: {e.strerror or e}") from None
-    try:
-        if bind_src is not None:
-            if transparent and set_transparent(sock):
-                # Spoof the client's address toward the app, so it sees who really called (IP_TRANSPARENT).
-                set_freebind(sock)
-                set_bind_no_port(sock)
-                sock.bind(sockaddr(bind_src, 0))
-            elif (
-                pi.sockets.cfg.source_ip is not None and family_of(ip_address(pi.sockets.cfg.source_ip)) == sock.family
-            ):
-                set_bind_no_port(sock)
-                sock.bind((pi.sockets.cfg.source_ip, 0))
-        async with asyncio.timeout(CONNECTION_TIMEOUT):
-            await connect(sock, sockaddr(*dst))
-        upstream = PlainConnection()
-        await loop.create_connection(lambda: upstream, sock=sock)
-    except TimeoutError:
-        sock.close()
-        raise ProxyError(f"connection to {format_addr(*dst)} timed out") from None
-    except OSError as e:
-        sock.close()
-        raise ProxyError(f"failed to connect to {format_addr(*dst)}: {os_error_reason(e)}") from None
-    except asyncio.CancelledError:
-        sock.close()  # the stream this was for went away first
-        raise
-    return upstream
 
 
 async def _resolve(req: Request) -> Request:
@@ -428,4 +383,4 @@ def _reason(status: int) -> str:
     return _REASONS.get(status, "")
 
 
-__all__ = ["Outbound", "OutboundProtocol", "Request", "build_request", "connect_plain", "hbone_headers"]
+__all__ = ["Outbound", "OutboundProtocol", "Request", "build_request", "hbone_headers"]
