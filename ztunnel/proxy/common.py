@@ -10,7 +10,7 @@ import logging
 import os
 import random
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,6 +22,8 @@ from ztunnel.identity.manager import CertificateProvider
 from ztunnel.identity.spiffe import Identity
 from ztunnel.sockets import SocketFactory
 from ztunnel.state import ProxyState, StateChange
+from ztunnel.state.service import Service
+from ztunnel.state.upstream import ServiceDescription
 from ztunnel.state.workload import IPAddress, NetworkAddress, Workload
 from ztunnel.tasks import TaskGroup
 
@@ -80,6 +82,33 @@ def forwarded_header(src: tuple[IPAddress, int], service_hostname: str | None) -
     """``for="<src ip:port>"``, plus ``;host=<service hostname>`` when the traffic was service-addressed."""
     value = f'for="{format_addr(*src)}"'
     return f"{value};host={service_hostname}" if service_hostname else value
+
+
+def services_of(state: ProxyState, workload: Workload) -> list[Service]:
+    """The services that select ``workload``, in its xDS order (upstream ``get_services_by_workload``)."""
+    found = (state.services.get(key) for key in workload.services)
+    return [svc for svc in found if svc is not None]
+
+
+def guess_inbound_service(
+    candidates: Sequence[Service], forwarded_host: str | None, port: int, dest: Workload
+) -> ServiceDescription | None:
+    """``destination_service`` of an inbound connection (upstream ``proxy.rs::guess_inbound_service``).
+
+    Only ``candidates`` (the services that select the destination, or the one a hostname authority named) can be
+    reported, so a peer cannot invent a label value: the one the ``forwarded`` host names, else the first whose
+    target port is ``port`` (the service's own number, or for a named port this endpoint's map), else None.
+    """
+    if forwarded_host is not None:
+        for svc in candidates:
+            if svc.hostname == forwarded_host:
+                return ServiceDescription.of(svc)
+    for svc in candidates:
+        ep = svc.endpoints.get(dest.uid)
+        for svc_port, target in svc.ports.items():
+            if target == port or (ep is not None and ep.port.get(svc_port) == port):
+                return ServiceDescription.of(svc)
+    return None
 
 
 _trace_rng = random.Random()

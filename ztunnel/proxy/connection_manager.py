@@ -215,6 +215,11 @@ def log_failed(direction: Direction, src: tuple[IPAddress, int], dst: tuple[IPAd
 POLICY_CHANGE = "connection closed due to policy change"
 
 
+# Authorization hook: (connection, destination workload) -> None if allowed, else the denial reason.
+# The proxy passes :class:`Authorizer` (policy evaluation); there is deliberately no default.
+AuthorizeFn = Callable[[Connection, Workload], str | None]
+
+
 class Authorizer:
     """Inbound authorization: the policies that apply to the destination workload, evaluated (``rbac.evaluate``).
 

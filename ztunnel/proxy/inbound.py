@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ztunnel import baggage, tls
@@ -38,25 +38,23 @@ from ztunnel.proxy.common import (
     ProxyInputs,
     ResponseFlag,
     format_addr,
+    guess_inbound_service,
+    services_of,
 )
 from ztunnel.proxy.connect import INTERRUPTED, connect_interruptible
-from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
+from ztunnel.proxy.connection_manager import AuthorizeFn, ConnectionRecord, Direction, log_failed
 from ztunnel.proxy.hbone.connection import HboneTransport
 from ztunnel.proxy.hbone.core import ConnectRequested, ErrorCode, HboneConnection, Settings
 from ztunnel.proxy.metrics import DerivedWorkload
 from ztunnel.proxy.relay import HboneStream, PlainConnection
 from ztunnel.rbac import Connection
 from ztunnel.sockets import local_dst, peer_addr, set_accepted_options
-from ztunnel.state import ProxyState
 from ztunnel.state.service import Service
 from ztunnel.state.upstream import ServiceDescription
 from ztunnel.state.workload import AppTunnelProtocol, IPAddress, NetworkAddress, NetworkMode, Workload
 
 log = logging.getLogger("ztunnel.proxy.inbound")
 
-# Authorization hook: (connection, destination workload) -> None if allowed, else the denial reason.
-# The proxy passes ``connection_manager.Authorizer`` (policy evaluation); there is deliberately no default.
-AuthorizeFn = Callable[[Connection, Workload], str | None]
 
 # The access log's error for a stream that went away (peer reset, connection lost) before the app answered.
 STREAM_GONE = "stream closed before the connection to the app was established"
@@ -179,33 +177,6 @@ def is_destination_this_waypoint(pi: ProxyInputs, local: Workload, target: IPAdd
     if isinstance(waypoint, Service):
         return local.uid in waypoint.endpoints
     return waypoint is not None and conn_dst in waypoint.workload_ips
-
-
-def services_of(state: ProxyState, workload: Workload) -> list[Service]:
-    """The services that select ``workload``, in its xDS order (upstream ``get_services_by_workload``)."""
-    found = (state.services.get(key) for key in workload.services)
-    return [svc for svc in found if svc is not None]
-
-
-def guess_inbound_service(
-    candidates: Sequence[Service], forwarded_host: str | None, port: int, dest: Workload
-) -> ServiceDescription | None:
-    """``destination_service`` of an inbound connection (upstream ``proxy.rs::guess_inbound_service``).
-
-    Only ``candidates`` (the services that select the destination, or the one a hostname authority named) can be
-    reported, so a peer cannot invent a label value: the one the ``forwarded`` host names, else the first whose
-    target port is ``port`` (the service's own number, or for a named port this endpoint's map), else None.
-    """
-    if forwarded_host is not None:
-        for svc in candidates:
-            if svc.hostname == forwarded_host:
-                return ServiceDescription.of(svc)
-    for svc in candidates:
-        ep = svc.endpoints.get(dest.uid)
-        for svc_port, target in svc.ports.items():
-            if target == port or (ep is not None and ep.port.get(svc_port) == port):
-                return ServiceDescription.of(svc)
-    return None
 
 
 def parse_forwarded_host(value: str) -> str | None:
