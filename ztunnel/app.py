@@ -28,8 +28,9 @@ from ztunnel.identity.manager import CertificateProvider
 from ztunnel.localconfig import LocalConfig, load_local_config, parse_local_config
 from ztunnel.metrics import Registry, StatsServer
 from ztunnel.proxy import Proxy
-from ztunnel.proxy.common import LocalWorkload, OnDemand, TlsContextCache, format_addr
+from ztunnel.proxy.common import TlsContextCache, format_addr
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction
+from ztunnel.proxy.inputs import LocalWorkload, OnDemand
 from ztunnel.proxy.metrics import FLUSH_INTERVAL, TrafficMetrics, flush_periodically
 from ztunnel.proxyfactory import PodProxies, ProxyFactory
 from ztunnel.readiness import BlockReady, Readiness, ReadinessServer

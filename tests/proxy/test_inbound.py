@@ -17,8 +17,9 @@ from typing import cast
 import pytest
 
 from ztunnel.config import WorkloadInfo
-from ztunnel.proxy.common import ProxyInputs, guess_inbound_service
+from ztunnel.proxy.common import guess_inbound_service
 from ztunnel.proxy.inbound import InboundRejected, build_inbound_request, from_gateway, parse_forwarded_host
+from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.state import ProxyState, StateUpdate
 from ztunnel.state.service import Service
 from ztunnel.state.workload import (

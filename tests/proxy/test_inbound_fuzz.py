@@ -33,9 +33,10 @@ from tests.fuzzing import LIVE_TIMEOUT, AppThread, fuzz_settings
 from ztunnel.config import WorkloadInfo
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
-from ztunnel.proxy.common import ProxyInputs, format_addr, forwarded_header
+from ztunnel.proxy.common import format_addr, forwarded_header
 from ztunnel.proxy.hbone.core import ErrorCode
 from ztunnel.proxy.inbound import InboundRejected, build_inbound_request, parse_authority, parse_forwarded_host
+from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.state import ProxyState, StateUpdate
 from ztunnel.state.service import Service
 from ztunnel.state.workload import InboundProtocol, NamespacedHostname, NetworkAddress, Workload

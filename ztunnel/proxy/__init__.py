@@ -10,10 +10,10 @@ import asyncio
 import contextlib
 import logging
 
-from ztunnel.proxy.common import ProxyInputs
 from ztunnel.proxy.connection_manager import CLOSED_FROM_DRAIN, Authorizer, PolicyWatcher
 from ztunnel.proxy.inbound import Inbound
 from ztunnel.proxy.inbound_passthrough import InboundPassthrough
+from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.proxy.outbound import Outbound
 from ztunnel.proxy.socks5 import Socks5
 

@@ -35,7 +35,6 @@ from ztunnel.proxy.common import (
     FORWARDED_HEADER,
     X_FORWARDED_NETWORK,
     ProxyError,
-    ProxyInputs,
     ResponseFlag,
     format_addr,
     guess_inbound_service,
@@ -45,6 +44,7 @@ from ztunnel.proxy.connect import INTERRUPTED, connect_interruptible
 from ztunnel.proxy.connection_manager import AuthorizeFn, ConnectionRecord, Direction, log_failed
 from ztunnel.proxy.hbone.connection import HboneTransport
 from ztunnel.proxy.hbone.core import ConnectRequested, ErrorCode, HboneConnection, Settings
+from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.proxy.metrics import DerivedWorkload
 from ztunnel.proxy.relay import HboneStream, PlainConnection
 from ztunnel.rbac import Connection

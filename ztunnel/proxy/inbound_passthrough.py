@@ -13,9 +13,10 @@ import asyncio
 import logging
 import socket
 
-from ztunnel.proxy.common import ProxyError, ProxyInputs, ResponseFlag, guess_inbound_service, services_of
+from ztunnel.proxy.common import ProxyError, ResponseFlag, guess_inbound_service, services_of
 from ztunnel.proxy.connect import INTERRUPTED, connect_interruptible
 from ztunnel.proxy.connection_manager import AuthorizeFn, ConnectionRecord, Direction, log_failed
+from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.rbac import Connection
 from ztunnel.sockets import local_dst, original_dst, peer_addr, set_accepted_options

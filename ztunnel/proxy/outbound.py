@@ -33,7 +33,6 @@ from ztunnel.proxy.common import (
     FORWARDED_HEADER,
     TRACEPARENT_HEADER,
     ProxyError,
-    ProxyInputs,
     ResponseFlag,
     format_addr,
     forwarded_header,
@@ -41,6 +40,7 @@ from ztunnel.proxy.common import (
 )
 from ztunnel.proxy.connect import connect_plain
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
+from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.proxy.metrics import DerivedWorkload
 from ztunnel.proxy.pool import WorkloadKey
 from ztunnel.proxy.relay import PlainConnection, PlainRelay

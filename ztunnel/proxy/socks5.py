@@ -22,8 +22,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import cast
 
-from ztunnel.proxy.common import ProxyError, ProxyInputs, ResponseFlag, format_addr
+from ztunnel.proxy.common import ProxyError, ResponseFlag, format_addr
 from ztunnel.proxy.connection_manager import Direction, log_failed
+from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.proxy.relay import PlainConnection
 from ztunnel.sockets import peer_addr, set_accepted_options
 from ztunnel.state.workload import IPAddress, canonical_ip
