@@ -31,7 +31,7 @@ from ztunnel.proxy import Proxy
 from ztunnel.proxy.common import TlsContextCache, format_addr
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction
 from ztunnel.proxy.inputs import LocalWorkload, OnDemand
-from ztunnel.proxy.metrics import FLUSH_INTERVAL, TrafficMetrics, flush_periodically
+from ztunnel.proxy.metrics import TrafficMetrics, flush_periodically
 from ztunnel.proxyfactory import PodProxies, ProxyFactory
 from ztunnel.readiness import BlockReady, Readiness, ReadinessServer
 from ztunnel.state import ProxyState
@@ -141,11 +141,12 @@ class App:
                 self.proxy = self.factory.dedicated(info, self.drain)
                 if self.proxy.socks5 is not None and self.dns_proxy is not None:
                     self.proxy.socks5.resolve = self.dns_proxy.resolve  # SOCKS5 names resolve here, as upstream
-                self.tasks.spawn(flush_periodically(self.proxy.pi.connections, self.traffic), "metrics flush")
                 await self.proxy.start()
                 proxy_ready.release()
         elif self.config.proxy_mode is ProxyMode.SHARED:
             self._start_inpod(state_ready)
+        # Bytes of long-lived connections reach the counters every 5 s, for every proxy (in-pod: every pod's).
+        self.tasks.spawn(flush_periodically(self._all_connections, self.traffic), "metrics flush")
         await self._start_admin()
 
     async def _start_admin(self) -> None:
@@ -188,14 +189,6 @@ class App:
             await manager.run()
 
         self.inpod_task = self.tasks.spawn(run(), "workload proxy manager")
-        self.tasks.spawn(self._flush_pods(), "metrics flush")
-
-    async def _flush_pods(self) -> None:
-        while True:
-            await asyncio.sleep(FLUSH_INTERVAL)
-            for records in self._all_connections():
-                if records.metrics is not None:
-                    self.traffic.flush(records.metrics, records.bytes_sent(), records.bytes_recv())
 
     async def _force_pods(self, pods: list[PodProxies]) -> None:
         """Each pod drains on a drain of its own: a second SIGINT during the drain must reach them too."""
