@@ -45,6 +45,7 @@ from ztunnel.proxy.connection_manager import AuthorizeFn, ConnectionRecord, Dire
 from ztunnel.proxy.hbone.connection import HboneTransport
 from ztunnel.proxy.hbone.core import ConnectRequested, ErrorCode, HboneConnection, Settings
 from ztunnel.proxy.inputs import ProxyInputs
+from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.metrics import DerivedWorkload
 from ztunnel.proxy.relay import HboneStream, PlainConnection
 from ztunnel.rbac import Connection
@@ -205,14 +206,12 @@ def _naddr(pi: ProxyInputs, ip: IPAddress) -> NetworkAddress:
     return NetworkAddress(pi.config.network, ip)
 
 
-class Inbound:
+class Inbound(Listener):
     """The 15008 listener of one proxy."""
 
     def __init__(self, pi: ProxyInputs, authorize: AuthorizeFn) -> None:
-        self.pi = pi
+        super().__init__(pi, pi.config.inbound_addr)
         self.authorize = authorize
-        self.servers: list[asyncio.Server] = []
-        self.transparent = False
         self.connections: set[HboneTransport] = set()
         self.settings = Settings(
             stream_window=pi.config.http2_stream_window_size,
@@ -222,31 +221,12 @@ class Inbound:
             max_header_list_size=64 * 1024,
         )
 
-    async def start(self) -> None:
-        cfg = self.pi.config
-        loop = asyncio.get_running_loop()
-        socks = self.pi.sockets.listeners(
-            cfg.inbound_addr, reuse_port=cfg.inpod_port_reuse, transparent=cfg.enable_orig_src, ipv6=cfg.ipv6_enabled
-        )
-        for sock, transparent in socks:
-            self.transparent = self.transparent or transparent
-            self.servers.append(await loop.create_server(self._new_connection, sock=sock))
-
-    @property
-    def address(self) -> tuple[str, int]:
-        host, port = self.servers[0].sockets[0].getsockname()[:2]
-        return str(host), int(port)
-
-    def stop(self) -> None:
-        for s in self.servers:
-            s.close()
-
     def drain(self) -> None:
         """GOAWAY every connection: open streams finish, new ones go elsewhere."""
         for conn in list(self.connections):
             conn.goaway()
 
-    def _new_connection(self) -> HboneTransport:
+    def new_protocol(self) -> HboneTransport:
         conn = HboneTransport(
             HboneConnection(False, self.settings),
             None,

@@ -17,6 +17,7 @@ from ztunnel.proxy.common import ProxyError, ResponseFlag, guess_inbound_service
 from ztunnel.proxy.connect import INTERRUPTED, connect_interruptible
 from ztunnel.proxy.connection_manager import AuthorizeFn, ConnectionRecord, Direction, log_failed
 from ztunnel.proxy.inputs import ProxyInputs
+from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.rbac import Connection
 from ztunnel.sockets import local_dst, original_dst, peer_addr, set_accepted_options
@@ -25,36 +26,15 @@ from ztunnel.state.workload import IPAddress, NetworkAddress
 log = logging.getLogger("ztunnel.proxy.inbound_passthrough")
 
 
-class InboundPassthrough:
+class InboundPassthrough(Listener):
     """The 15006 listener of one proxy."""
 
     def __init__(self, pi: ProxyInputs, authorize: AuthorizeFn) -> None:
-        self.pi = pi
+        super().__init__(pi, pi.config.inbound_plaintext_addr)
         self.authorize = authorize
-        self.servers: list[asyncio.Server] = []
-        self.transparent = False
 
-    async def start(self) -> None:
-        cfg = self.pi.config
-        loop = asyncio.get_running_loop()
-        socks = self.pi.sockets.listeners(
-            cfg.inbound_plaintext_addr,
-            reuse_port=cfg.inpod_port_reuse,
-            transparent=cfg.enable_orig_src,
-            ipv6=cfg.ipv6_enabled,
-        )
-        for sock, transparent in socks:
-            self.transparent = self.transparent or transparent
-            self.servers.append(await loop.create_server(lambda: PlainConnection(self._accepted), sock=sock))
-
-    @property
-    def address(self) -> tuple[str, int]:
-        host, port = self.servers[0].sockets[0].getsockname()[:2]
-        return str(host), int(port)
-
-    def stop(self) -> None:
-        for s in self.servers:
-            s.close()
+    def new_protocol(self) -> PlainConnection:
+        return PlainConnection(self._accepted)
 
     def _accepted(self, plain: PlainConnection) -> None:
         assert plain.transport is not None

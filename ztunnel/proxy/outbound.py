@@ -41,6 +41,7 @@ from ztunnel.proxy.common import (
 from ztunnel.proxy.connect import connect_plain
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
 from ztunnel.proxy.inputs import ProxyInputs
+from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.metrics import DerivedWorkload
 from ztunnel.proxy.pool import WorkloadKey
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
@@ -194,32 +195,15 @@ def hbone_headers(req: Request, src: tuple[IPAddress, int]) -> list[tuple[str, s
     ]
 
 
-class Outbound:
+class Outbound(Listener):
     """The 15001 listener of one proxy."""
 
     def __init__(self, pi: ProxyInputs) -> None:
-        self.pi = pi
-        self.servers: list[asyncio.Server] = []
+        super().__init__(pi, pi.config.outbound_addr)
         self.hbone_port = 15008
 
-    async def start(self) -> None:
-        cfg = self.pi.config
-        loop = asyncio.get_running_loop()
-        socks = self.pi.sockets.listeners(
-            cfg.outbound_addr, reuse_port=cfg.inpod_port_reuse, transparent=cfg.enable_orig_src, ipv6=cfg.ipv6_enabled
-        )
-        # Whether IP_TRANSPARENT took matters only to the inbound listeners (they spoof); outbound never does.
-        for sock, _ in socks:
-            self.servers.append(await loop.create_server(lambda: PlainConnection(self._accepted), sock=sock))
-
-    @property
-    def address(self) -> tuple[str, int]:
-        host, port = self.servers[0].sockets[0].getsockname()[:2]
-        return str(host), int(port)
-
-    def stop(self) -> None:
-        for s in self.servers:
-            s.close()
+    def new_protocol(self) -> PlainConnection:
+        return PlainConnection(self._accepted)
 
     def _accepted(self, plain: PlainConnection) -> None:
         assert plain.transport is not None

@@ -25,6 +25,7 @@ from typing import cast
 from ztunnel.proxy.common import ProxyError, ResponseFlag, format_addr
 from ztunnel.proxy.connection_manager import Direction, log_failed
 from ztunnel.proxy.inputs import ProxyInputs
+from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.relay import PlainConnection
 from ztunnel.sockets import peer_addr, set_accepted_options
 from ztunnel.state.workload import IPAddress, canonical_ip
@@ -254,30 +255,16 @@ class _Handshake(asyncio.Protocol):
         pass
 
 
-class Socks5:
+class Socks5(Listener):
     """The SOCKS5 listener (``127.0.0.1:15080``) feeding the outbound path."""
 
     def __init__(self, pi: ProxyInputs, proxy_to: ProxyTo, resolve: Resolver = system_resolve) -> None:
-        self.pi = pi
+        super().__init__(pi, pi.config.socks5_addr, captured=False)
         self.proxy_to = proxy_to
         self.resolve = resolve
-        self.servers: list[asyncio.Server] = []
 
-    async def start(self) -> None:
-        addr = self.pi.config.socks5_addr
-        assert addr is not None
-        loop = asyncio.get_running_loop()
-        for sock, _ in self.pi.sockets.listeners(addr, ipv6=self.pi.config.ipv6_enabled):
-            self.servers.append(await loop.create_server(lambda: _Handshake(self), sock=sock))
-
-    @property
-    def address(self) -> tuple[str, int]:
-        host, port = self.servers[0].sockets[0].getsockname()[:2]
-        return str(host), int(port)
-
-    def stop(self) -> None:
-        for s in self.servers:
-            s.close()
+    def new_protocol(self) -> _Handshake:
+        return _Handshake(self)
 
     async def connect(
         self, plain: PlainConnection, src: tuple[IPAddress, int], ev: ConnectRequested, method_reply: bytes = b""
