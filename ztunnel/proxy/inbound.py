@@ -42,8 +42,8 @@ from ztunnel.proxy.common import (
 )
 from ztunnel.proxy.connect import INTERRUPTED, connect_interruptible
 from ztunnel.proxy.connection_manager import AuthorizeFn, ConnectionRecord, Direction, log_failed
-from ztunnel.proxy.hbone.connection import HboneTransport
-from ztunnel.proxy.hbone.core import ConnectRequested, ErrorCode, HboneConnection, Settings
+from ztunnel.proxy.hbone.connection import HboneTransport, http2_settings
+from ztunnel.proxy.hbone.core import ConnectRequested, ErrorCode, HboneConnection
 from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.metrics import DerivedWorkload
@@ -213,13 +213,7 @@ class Inbound(Listener):
         super().__init__(pi, pi.config.inbound_addr)
         self.authorize = authorize
         self.connections: set[HboneTransport] = set()
-        self.settings = Settings(
-            stream_window=pi.config.http2_stream_window_size,
-            connection_window=pi.config.http2_connection_window_size,
-            max_frame_size=pi.config.http2_frame_size,
-            max_concurrent_streams=200,
-            max_header_list_size=64 * 1024,
-        )
+        self.settings = http2_settings(pi.config, client_side=False)
 
     def drain(self) -> None:
         """GOAWAY every connection: open streams finish, new ones go elsewhere."""

@@ -30,8 +30,8 @@ from ztunnel.proxy.common import (
     format_addr,
     os_error_reason,
 )
-from ztunnel.proxy.hbone.connection import HboneTransport
-from ztunnel.proxy.hbone.core import HboneConnection, Settings
+from ztunnel.proxy.hbone.connection import HboneTransport, http2_settings
+from ztunnel.proxy.hbone.core import HboneConnection
 from ztunnel.proxy.relay import HboneStream
 from ztunnel.sockets import SocketFactory, connect, family_of, sockaddr
 from ztunnel.state.workload import IPAddress
@@ -62,12 +62,7 @@ class WorkloadHBONEPool:
     ) -> None:
         self.max_streams = config.pool_max_streams_per_connection
         self.idle_timeout = config.pool_unused_release_timeout
-        self.settings = Settings(
-            stream_window=config.http2_stream_window_size,
-            connection_window=config.http2_connection_window_size,
-            max_frame_size=config.http2_frame_size,
-            max_header_list_size=16 * 1024,
-        )
+        self.settings = http2_settings(config, client_side=True)
         self._certs = certs
         self._sockets = sockets
         self._contexts = contexts

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 import ssl
@@ -24,8 +25,11 @@ import time
 from collections.abc import Callable
 from typing import Protocol, cast
 
+from ztunnel.config import Config
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.hbone.core import (
+    CLIENT_SETTINGS,
+    SERVER_SETTINGS,
     ConnectRequested,
     ConnectResponded,
     DataReceived,
@@ -36,6 +40,7 @@ from ztunnel.proxy.hbone.core import (
     HboneProtocolError,
     PingAcked,
     RemoteSettingsChanged,
+    Settings,
     StreamEnded,
     StreamReset,
     WindowOpened,
@@ -58,6 +63,18 @@ WRITE_HIGH_WATER = 1024 * 1024
 WRITE_LOW_WATER = 256 * 1024
 _CIPHER_BUFFER_MIN = 16 * 1024
 _CIPHER_BUFFER_MAX = 256 * 1024
+
+
+def http2_settings(config: Config, *, client_side: bool) -> Settings:
+    """The HTTP/2 settings of an HBONE connection in either role: upstream's per-role values (``h2/client.rs``,
+    ``h2/server.rs``: header list size, the server's 200 concurrent streams) with the window and frame sizes of
+    ``HTTP2_STREAM_WINDOW_SIZE``, ``HTTP2_CONNECTION_WINDOW_SIZE`` and ``HTTP2_FRAME_SIZE``."""
+    return dataclasses.replace(
+        CLIENT_SETTINGS if client_side else SERVER_SETTINGS,
+        stream_window=config.http2_stream_window_size,
+        connection_window=config.http2_connection_window_size,
+        max_frame_size=config.http2_frame_size,
+    )
 
 
 class StreamHandler(Protocol):
