@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -210,8 +211,10 @@ class App:
     def _all_connections(self) -> list[ConnectionRecord]:
         return [r for p in self._proxies() for r in p.pi.connections]
 
-    def _connections(self) -> list[ConnectionRecord]:
-        return self._all_connections()
+    def _connections(self) -> list[dict[str, Any]]:
+        """The admin ``/connections`` list: every proxy's open connections as JSON."""
+        now = time.monotonic()
+        return [r.to_json(now) for r in self._all_connections()]
 
     def _workload_state(self) -> dict[str, Any]:
         """``workloadState`` of the config dump (in-pod): each pod's state, identity info and connections."""
