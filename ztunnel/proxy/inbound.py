@@ -44,10 +44,11 @@ from ztunnel.proxy.connect import INTERRUPTED, connect_interruptible
 from ztunnel.proxy.connection_manager import AuthorizeFn, ConnectionRecord, Direction, log_failed
 from ztunnel.proxy.hbone.connection import HboneTransport, http2_settings
 from ztunnel.proxy.hbone.core import ConnectRequested, ErrorCode, HboneConnection
+from ztunnel.proxy.hbone.stream import HboneStream
 from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.metrics import DerivedWorkload
-from ztunnel.proxy.relay import HboneStream, PlainConnection
+from ztunnel.proxy.relay import PlainConnection
 from ztunnel.rbac import Connection
 from ztunnel.sockets import local_dst, peer_addr, set_accepted_options
 from ztunnel.state.service import Service
@@ -286,9 +287,7 @@ class Inbound(Listener):
         if not conn.handshake_done and conn.close_reason.startswith("TLS") and conn.peer is not None:
             self._early_fail(conn, conn.close_reason, ResponseFlag.TLS_FAILURE)
 
-    def _on_request(self, conn: HboneTransport, ev: ConnectRequested) -> None:
-        stream = HboneStream(conn, ev.stream_id)
-        conn.handlers[ev.stream_id] = stream
+    def _on_request(self, conn: HboneTransport, stream: HboneStream, ev: ConnectRequested) -> None:
         stream.setup = self.pi.tasks.spawn(self._serve(conn, stream, ev), "inbound stream")
 
     async def _serve(self, conn: HboneTransport, stream: HboneStream, ev: ConnectRequested) -> None:
@@ -358,10 +357,8 @@ class Inbound(Listener):
         headers: list[tuple[str, str]] = []
         if pi.config.enable_response_baggage:
             headers.append((BAGGAGE_HEADER, baggage.workload_baggage(req.local)))
-        conn.core.send_response(ev.stream_id, 200, headers)
-        conn.flush()
-        stream._on_done = lambda s: pi.connections.release(record, ResponseFlag.NONE, s.error)
-        stream.attach(upstream)
+        conn.respond(stream, 200, headers)
+        stream.attach(upstream, on_done=lambda s: pi.connections.release(record, ResponseFlag.NONE, s.error))
 
     async def _connect(
         self, record: ConnectionRecord, dst: tuple[IPAddress, int], client_ip: IPAddress
@@ -396,10 +393,7 @@ class Inbound(Listener):
         e: InboundRejected,
     ) -> None:
         """Answer ``e.status`` and end the stream; the access log and metrics report it (never established)."""
-        if not stream.done and not conn.closed:
-            conn.core.send_response(ev.stream_id, e.status, end_stream=True)
-            conn.detach(ev.stream_id)
-            conn.flush()
+        conn.reject(stream, e.status)
         pi = self.pi
         if not record.id:
             pi.connections.register(record, established=False)

@@ -308,10 +308,9 @@ class Outbound(Listener):
         record.bytes_recv = lambda: stream.bytes_from_plain
         record.closer = lambda reason: stream.reset()
         pi.connections.register(record)
-        stream._on_done = lambda s: pi.connections.release(record, ResponseFlag.NONE, s.error)
         if ready is not None:
             ready(None)
-        stream.attach(plain)
+        stream.attach(plain, on_done=lambda s: pi.connections.release(record, ResponseFlag.NONE, s.error))
 
     async def _tcp(
         self,

@@ -32,7 +32,7 @@ from ztunnel.proxy.common import (
 )
 from ztunnel.proxy.hbone.connection import HboneTransport, http2_settings
 from ztunnel.proxy.hbone.core import HboneConnection
-from ztunnel.proxy.relay import HboneStream
+from ztunnel.proxy.hbone.stream import HboneStream
 from ztunnel.sockets import SocketFactory, connect, family_of, sockaddr
 from ztunnel.state.workload import IPAddress
 
@@ -92,8 +92,8 @@ class WorkloadHBONEPool:
         return (
             not conn.closed
             and not conn.draining
-            and conn.core.goaway_received is None
-            and len(conn.handlers) < self._capacity(conn)
+            and not conn.goaway_received
+            and conn.stream_count < self._capacity(conn)
         )
 
     def _find(self, key: WorkloadKey) -> HboneTransport | None:
@@ -112,7 +112,7 @@ class WorkloadHBONEPool:
         while True:
             conn = self._find(key)
             if conn is not None:
-                return self._start_stream(conn, authority, headers)
+                return conn.open_stream(authority, headers)
             pending = self._dialing.get(key)
             if pending is not None:
                 # Someone is already dialling this key: share that handshake.
@@ -132,16 +132,7 @@ class WorkloadHBONEPool:
             self._conns.setdefault(key, []).append(conn)
             fut.set_result(conn)
             self._schedule_reaper()
-            return self._start_stream(conn, authority, headers)
-
-    def _start_stream(self, conn: HboneTransport, authority: str, headers: list[tuple[str, str]]) -> HboneStream:
-        stream_id = conn.core.send_connect(authority, headers)
-        stream = HboneStream(conn, stream_id)
-        stream.response = asyncio.get_running_loop().create_future()
-        conn.handlers[stream_id] = stream
-        conn.last_active = time.monotonic()
-        conn.flush()
-        return stream
+            return conn.open_stream(authority, headers)
 
     async def _dial(self, key: WorkloadKey) -> HboneTransport:
         loop = asyncio.get_running_loop()
@@ -227,7 +218,7 @@ class WorkloadHBONEPool:
             for conn in list(conns):
                 if conn.closed:
                     self._remove(key, conn)
-                elif not conn.handlers and now - conn.last_active >= self.idle_timeout:
+                elif not conn.stream_count and now - conn.last_active >= self.idle_timeout:
                     log.debug("closing idle HBONE connection for %s", key)
                     self._remove(key, conn)
                     conn.goaway()

@@ -405,14 +405,10 @@ async def hbone_request(
 ) -> tuple[int, object]:
     """Send one request on a raw HBONE connection; returns (status, stream)."""
     from ztunnel.proxy.hbone.connection import HboneTransport
-    from ztunnel.proxy.relay import HboneStream
 
     assert isinstance(conn, HboneTransport)
-    stream_id = conn.core.send_connect(authority, headers or [], method=method)
-    stream = HboneStream(conn, stream_id)
-    stream.response = asyncio.get_running_loop().create_future()
-    conn.handlers[stream_id] = stream
-    conn.flush()
+    stream = conn.open_stream(authority, headers or [], method=method)
+    assert stream.response is not None
     status, _ = await asyncio.wait_for(stream.response, 10)
     return status, stream
 

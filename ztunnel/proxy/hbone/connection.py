@@ -22,8 +22,8 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import Callable
-from typing import Protocol, cast
+from collections.abc import Callable, Iterable
+from typing import cast
 
 from ztunnel.config import Config
 from ztunnel.identity.spiffe import Identity
@@ -45,6 +45,7 @@ from ztunnel.proxy.hbone.core import (
     StreamReset,
     WindowOpened,
 )
+from ztunnel.proxy.hbone.stream import HboneStream
 
 log = logging.getLogger("ztunnel.proxy.h2")
 
@@ -77,20 +78,12 @@ def http2_settings(config: Config, *, client_side: bool) -> Settings:
     )
 
 
-class StreamHandler(Protocol):
-    """What a tunnel attached to an HBONE stream receives."""
-
-    def on_response(self, status: int, headers: dict[str, str]) -> None: ...
-    def on_data(self, data: memoryview, flow_controlled_length: int) -> None: ...
-    def on_end(self) -> None: ...
-    def on_reset(self, error_code: int) -> None: ...
-    def on_window(self) -> None: ...
-    def on_write_paused(self, paused: bool) -> None: ...
-    def on_connection_lost(self, reason: str) -> None: ...
-
-
 class HboneTransport(asyncio.BufferedProtocol):
-    """TLS and HTTP/2 for one HBONE connection (either role). Streams attach as :class:`StreamHandler`."""
+    """TLS and HTTP/2 for one HBONE connection (either role), and the streams on it (:class:`HboneStream`).
+
+    The client opens streams with :meth:`open_stream`; a server hears of each CONNECT through
+    ``on_connect_request`` with its stream made, and answers it with :meth:`respond` or :meth:`reject`.
+    """
 
     def __init__(
         self,
@@ -98,7 +91,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         ssl_context: ssl.SSLContext | None,
         *,
         on_handshake: Callable[[HboneTransport], None],
-        on_connect_request: Callable[[HboneTransport, ConnectRequested], None] | None = None,
+        on_connect_request: Callable[[HboneTransport, HboneStream, ConnectRequested], None] | None = None,
         on_closed: Callable[[HboneTransport], None] | None = None,
         handshake_timeout: float | None = None,
     ) -> None:
@@ -108,7 +101,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         self._on_connect_request = on_connect_request
         self._on_closed = on_closed
         self._handshake_timeout = HANDSHAKE_TIMEOUT if handshake_timeout is None else handshake_timeout
-        self.handlers: dict[int, StreamHandler] = {}
+        self.streams: dict[int, HboneStream] = {}
         self.transport: asyncio.Transport | None = None
         self.peer: tuple[str, int] | None = None
         self.local: tuple[str, int] | None = None
@@ -186,15 +179,15 @@ class HboneTransport(asyncio.BufferedProtocol):
 
     def pause_writing(self) -> None:
         self.write_paused = True
-        for handler in list(self.handlers.values()):
-            handler.on_write_paused(True)
+        for stream in list(self.streams.values()):
+            stream.on_write_paused(True)
 
     def resume_writing(self) -> None:
         self.write_paused = False
-        for handler in self._in_turn():
-            handler.on_write_paused(False)
+        for stream in self._in_turn():
+            stream.on_write_paused(False)
 
-    def _in_turn(self) -> list[StreamHandler]:
+    def _in_turn(self) -> list[HboneStream]:
         """Every stream, starting one further along each call.
 
         Whoever is served first when the transport drains or the connection window opens takes what there is (a
@@ -202,12 +195,12 @@ class HboneTransport(asyncio.BufferedProtocol):
         window): always starting with the same stream let it take 99.5% of the bytes of 8 concurrent streams
         (measured). Rotating the start shares them.
         """
-        handlers = list(self.handlers.values())
-        n = len(handlers)
+        streams = list(self.streams.values())
+        n = len(streams)
         if n < 2:
-            return handlers
+            return streams
         self._turn = start = (self._turn + 1) % n
-        return handlers[start:] + handlers[:start]
+        return streams[start:] + streams[:start]
 
     # -- TLS ---------------------------------------------------------------------------------------------------
 
@@ -285,7 +278,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         finally:
             self._dispatching = False
         if not self.closed:
-            if self.handlers:
+            if self.streams:
                 # Use, for the pool's idle eviction, is traffic of streams: the PINGs both sides send every 10 s on
                 # an idle connection must not keep it in the pool forever (POOL_UNUSED_RELEASE_TIMEOUT is 5 min).
                 self.last_active = time.monotonic()
@@ -299,17 +292,17 @@ class HboneTransport(asyncio.BufferedProtocol):
     # -- events ------------------------------------------------------------------------------------------------
 
     def _dispatch(self, events: list[Event]) -> None:
-        handlers = self.handlers
+        streams = self.streams
         for ev in events:
             if type(ev) is DataReceived:
-                h = handlers.get(ev.stream_id)
+                h = streams.get(ev.stream_id)
                 if h is not None:
                     h.on_data(ev.data, ev.flow_controlled_length)
                 else:
                     self.core.ack_data(ev.stream_id, ev.flow_controlled_length)
             elif type(ev) is WindowOpened:
                 if ev.stream_id:
-                    h = handlers.get(ev.stream_id)
+                    h = streams.get(ev.stream_id)
                     if h is not None:
                         h.on_window()
                 else:
@@ -317,19 +310,21 @@ class HboneTransport(asyncio.BufferedProtocol):
                         h.on_window()
             elif type(ev) is ConnectRequested:
                 if self._on_connect_request is not None:
-                    self._on_connect_request(self, ev)
+                    stream = HboneStream(self, ev.stream_id)
+                    streams[ev.stream_id] = stream
+                    self._on_connect_request(self, stream, ev)
                 else:
                     self.core.reset_stream(ev.stream_id, ErrorCode.REFUSED_STREAM)
             elif type(ev) is ConnectResponded:
-                h = handlers.get(ev.stream_id)
+                h = streams.get(ev.stream_id)
                 if h is not None:
                     h.on_response(ev.status, ev.headers)
             elif type(ev) is StreamEnded:
-                h = handlers.get(ev.stream_id)
+                h = streams.get(ev.stream_id)
                 if h is not None:
                     h.on_end()
             elif type(ev) is StreamReset:
-                h = handlers.pop(ev.stream_id, None)
+                h = streams.pop(ev.stream_id, None)
                 if h is not None:
                     h.on_reset(ev.error_code)
             elif type(ev) is PingAcked:
@@ -339,9 +334,9 @@ class HboneTransport(asyncio.BufferedProtocol):
                 # last_stream_id counts streams *we* opened (odd ids for a client, even for a server): ours above
                 # it were never processed by the peer; the peer's own streams are unaffected and may finish.
                 parity = 1 if self.core.client_side else 0
-                for sid in [s for s in handlers if s % 2 == parity and s > ev.last_stream_id]:
-                    handlers.pop(sid).on_reset(ErrorCode.REFUSED_STREAM)
-                if not handlers:
+                for sid in [s for s in streams if s % 2 == parity and s > ev.last_stream_id]:
+                    streams.pop(sid).on_reset(ErrorCode.REFUSED_STREAM)
+                if not streams:
                     self.close("peer sent GOAWAY")
             elif type(ev) is RemoteSettingsChanged and ev.max_concurrent_streams is not None:
                 self.max_concurrent_streams = ev.max_concurrent_streams
@@ -370,16 +365,56 @@ class HboneTransport(asyncio.BufferedProtocol):
             self._flush_tls()
 
     def detach(self, stream_id: int) -> None:
-        self.handlers.pop(stream_id, None)
-        if not self.handlers:
+        """The stream is finished: forget it (its further events are ignored); a draining connection may close."""
+        self.streams.pop(stream_id, None)
+        if not self.streams:
             self.last_active = time.monotonic()  # idle from now
-        if not self.handlers and (self.draining or self.core.goaway_received is not None):
+        if not self.streams and (self.draining or self.core.goaway_received is not None):
             self.close("drained" if self.draining else "peer sent GOAWAY and the last stream finished")
+
+    # -- streams -----------------------------------------------------------------------------------------------
+
+    def open_stream(
+        self, authority: str, headers: Iterable[tuple[str, str]] = (), *, method: str = "CONNECT"
+    ) -> HboneStream:
+        """Client: send a CONNECT to ``authority`` (``ip:port``) with ``headers``; its answer is ``stream.response``.
+
+        ``method`` exists for conformance tests of servers (a non-CONNECT request must get a 400)."""
+        stream_id = self.core.send_connect(authority, headers, method)
+        stream = HboneStream(self, stream_id, asyncio.get_running_loop().create_future())
+        self.streams[stream_id] = stream
+        self.last_active = time.monotonic()
+        self.flush()
+        return stream
+
+    def respond(self, stream: HboneStream, status: int, headers: Iterable[tuple[str, str]] = ()) -> None:
+        """Server: answer a CONNECT (200: the tunnel is up; attach the stream to relay it)."""
+        self.core.send_response(stream.stream_id, status, headers)
+        self.flush()
+
+    def reject(self, stream: HboneStream, status: int) -> None:
+        """Server: refuse a CONNECT with ``status`` and END_STREAM (upstream sends errors so); the stream is
+        forgotten. Nothing is sent for a stream already gone (reset by the peer, or the connection lost)."""
+        if stream.done or self.closed:
+            return
+        self.core.send_response(stream.stream_id, status, end_stream=True)
+        self.detach(stream.stream_id)
+        self.flush()
+
+    @property
+    def stream_count(self) -> int:
+        """Streams open on this connection."""
+        return len(self.streams)
+
+    @property
+    def goaway_received(self) -> bool:
+        """The peer sent GOAWAY: it takes no new streams from us."""
+        return self.core.goaway_received is not None
 
     def drain_when_idle(self) -> None:
         """Take no new streams and close when the open ones are done (a client's side of a drain)."""
         self.draining = True
-        if not self.handlers:
+        if not self.streams:
             self.close("drained")
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -415,7 +450,7 @@ class HboneTransport(asyncio.BufferedProtocol):
             return
         self.core.goaway(ErrorCode.NO_ERROR)
         self.flush()
-        if not self.handlers:
+        if not self.streams:
             self.close("drained")
 
     def close(self, reason: str) -> None:
@@ -447,9 +482,9 @@ class HboneTransport(asyncio.BufferedProtocol):
         self.close_reason = reason
         self.core.closed = True
         self._cancel_timer()
-        handlers, self.handlers = self.handlers, {}
-        for h in handlers.values():
-            h.on_connection_lost(reason)
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            stream.on_connection_lost(reason)
         if self._on_closed is not None:
             self._on_closed(self)
 
