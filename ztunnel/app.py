@@ -24,6 +24,7 @@ from ztunnel.admin import AdminServer
 from ztunnel.config import Config, ProxyMode
 from ztunnel.dns.metrics import Metrics as DnsMetrics
 from ztunnel.drain import Drain, DrainMode
+from ztunnel.errors import ZtunnelError
 from ztunnel.identity.ca import CaError, LocalCA
 from ztunnel.identity.manager import CertificateProvider
 from ztunnel.localconfig import LocalConfig, load_local_config, parse_local_config
@@ -42,7 +43,7 @@ from ztunnel.tasks import TaskGroup
 log = logging.getLogger("ztunnel.app")
 
 
-class StartupError(Exception):
+class StartupError(ZtunnelError):
     """ztunnel cannot start with this configuration; the message says what to fix."""
 
 

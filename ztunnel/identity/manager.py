@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
+from ztunnel.errors import ZtunnelError
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.spiffe import Identity
@@ -154,7 +155,7 @@ class Priority(enum.IntEnum):
     REALTIME = 2  # a connection is waiting for it
 
 
-class CertificateUnavailable(Exception):
+class CertificateUnavailable(ZtunnelError):
     """There is no certificate for the identity: its last fetch failed (the message says why) or it was forgotten."""
 
 

@@ -10,6 +10,7 @@ import ssl
 from collections.abc import Sequence
 
 from ztunnel import tls
+from ztunnel.errors import ZtunnelError
 from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.spiffe import Identity
 from ztunnel.state import ProxyState
@@ -37,7 +38,7 @@ class ResponseFlag(enum.Enum):
     CERT_REVOKED = "CERT_REVOKED"
 
 
-class ProxyError(Exception):
+class ProxyError(ZtunnelError):
     """A connection could not be proxied. ``flag`` is the response flag; the message goes to the access log."""
 
     def __init__(self, message: str, flag: ResponseFlag = ResponseFlag.CONNECT) -> None:

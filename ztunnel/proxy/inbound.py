@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ztunnel import baggage, tls
+from ztunnel.errors import ZtunnelError
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.common import (
     BAGGAGE_HEADER,
@@ -71,7 +72,7 @@ class InboundRequest:
     service: ServiceDescription | None
 
 
-class InboundRejected(Exception):
+class InboundRejected(ZtunnelError):
     def __init__(self, status: int, message: str, flag: ResponseFlag = ResponseFlag.CONNECT) -> None:
         super().__init__(message)
         self.status = status

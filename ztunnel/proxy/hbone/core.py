@@ -50,6 +50,8 @@ import h2.utilities
 import hpack.hpack
 import hyperframe.frame
 
+from ztunnel.errors import ZtunnelError
+
 # Frame header: 24-bit length + 8-bit type packed as one u32, then flags (u8) and stream id (u32).
 _HEADER = struct.Struct(">IBI")
 _WINDOW_UPDATE = struct.Struct(">IBII")
@@ -265,7 +267,7 @@ Event = (
 )
 
 
-class HboneProtocolError(Exception):
+class HboneProtocolError(ZtunnelError):
     """The peer broke HTTP/2 badly enough that the connection must close; a GOAWAY has been queued."""
 
     def __init__(self, message: str, code: ErrorCode = ErrorCode.PROTOCOL_ERROR) -> None:
