@@ -45,6 +45,7 @@ from ztunnel.proxy.connect import INTERRUPTED, connect_interruptible
 from ztunnel.proxy.connection_manager import AuthorizeFn, ConnectionRecord, Direction, log_failed
 from ztunnel.proxy.hbone.connection import HboneTransport, http2_settings
 from ztunnel.proxy.hbone.core import ConnectRequested, ErrorCode, HboneConnection
+from ztunnel.proxy.hbone.reason import CloseKind, CloseReason
 from ztunnel.proxy.hbone.stream import HboneStream
 from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.proxy.listener import Listener
@@ -261,7 +262,7 @@ class Inbound(Listener):
             self._early_fail(
                 conn, f"TLS handshake: {e}", ResponseFlag.IDENTITY_ERROR if identity_error else ResponseFlag.TLS_FAILURE
             )
-            conn.abort(str(e))
+            conn.abort(CloseReason(CloseKind.PEER_REJECTED, str(e)))
             return
         conn.peer_identity = identity
 
@@ -285,8 +286,9 @@ class Inbound(Listener):
 
     def _closed(self, conn: HboneTransport) -> None:
         self.connections.discard(conn)
-        if not conn.handshake_done and conn.close_reason.startswith("TLS") and conn.peer is not None:
-            self._early_fail(conn, conn.close_reason, ResponseFlag.TLS_FAILURE)
+        reason = conn.close_reason
+        if not conn.handshake_done and reason is not None and reason.tls_failure and conn.peer is not None:
+            self._early_fail(conn, str(reason), ResponseFlag.TLS_FAILURE)
 
     def _on_request(self, conn: HboneTransport, stream: HboneStream, ev: ConnectRequested) -> None:
         stream.setup = self.pi.tasks.spawn(self._serve(conn, stream, ev), "inbound stream")

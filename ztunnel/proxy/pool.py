@@ -32,6 +32,7 @@ from ztunnel.proxy.common import (
 )
 from ztunnel.proxy.hbone.connection import HboneTransport, http2_settings
 from ztunnel.proxy.hbone.core import HboneConnection
+from ztunnel.proxy.hbone.reason import CloseKind, CloseReason
 from ztunnel.proxy.hbone.stream import HboneStream
 from ztunnel.sockets import SocketFactory, connect, family_of, sockaddr
 from ztunnel.state.workload import IPAddress
@@ -171,15 +172,16 @@ class WorkloadHBONEPool:
                         ResponseFlag.TLS_FAILURE if isinstance(e, tls.HandshakeFailed) else ResponseFlag.IDENTITY_ERROR
                     )
                     done.set_exception(ProxyError(f"TLS to {format_addr(ip, port)}: {e}", flag))
-                t.abort(str(e))
+                t.abort(CloseReason(CloseKind.PEER_REJECTED, str(e)))
                 return
             if not done.done():
                 done.set_result(t)
 
         def on_closed(t: HboneTransport) -> None:
-            if not done.done():
-                flag = ResponseFlag.TLS_FAILURE if "TLS" in t.close_reason else ResponseFlag.CONNECT
-                done.set_exception(ProxyError(f"HBONE connection to {format_addr(ip, port)}: {t.close_reason}", flag))
+            reason = t.close_reason
+            if not done.done() and reason is not None:
+                flag = ResponseFlag.TLS_FAILURE if reason.tls_failure else ResponseFlag.CONNECT
+                done.set_exception(ProxyError(f"HBONE connection to {format_addr(ip, port)}: {reason}", flag))
             self._remove(key, t)
 
         try:

@@ -365,7 +365,7 @@ def hbone_transport(client_side: bool, ctx: ssl.SSLContext, done: asyncio.Future
 
     def closed(t: HboneTransport) -> None:
         if not done.done():
-            done.set_exception(ConnectionError(t.close_reason))
+            done.set_exception(ConnectionError(str(t.close_reason)))
 
     return HboneTransport(HboneConnection(client_side), ctx, on_handshake=handshake, on_closed=closed)
 
@@ -396,7 +396,7 @@ async def hbone_dial(
     if settle:
         await asyncio.sleep(settle)
         if conn.closed:
-            raise ConnectionError(conn.close_reason)
+            raise ConnectionError(str(conn.close_reason))
     return conn
 
 

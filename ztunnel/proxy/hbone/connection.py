@@ -45,6 +45,7 @@ from ztunnel.proxy.hbone.core import (
     StreamReset,
     WindowOpened,
 )
+from ztunnel.proxy.hbone.reason import CloseKind, CloseReason
 from ztunnel.proxy.hbone.stream import HboneStream
 
 log = logging.getLogger("ztunnel.proxy.h2")
@@ -64,6 +65,7 @@ WRITE_HIGH_WATER = 1024 * 1024
 WRITE_LOW_WATER = 256 * 1024
 _CIPHER_BUFFER_MIN = 16 * 1024
 _CIPHER_BUFFER_MAX = 256 * 1024
+_DRAINED = CloseReason(CloseKind.DRAINED, "drained")
 
 
 def http2_settings(config: Config, *, client_side: bool) -> Settings:
@@ -110,7 +112,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         self.handshake_done = False
         self.closed = False
         self.draining = False  # no new streams; close once the last one finishes
-        self.close_reason = ""
+        self.close_reason: CloseReason | None = None  # set when closed
         self.write_paused = False
         self.last_active = time.monotonic()
         self._in_bio = ssl.MemoryBIO()
@@ -171,11 +173,11 @@ class HboneTransport(asyncio.BufferedProtocol):
         self._read_tls()
 
     def eof_received(self) -> bool:
-        self._lost("peer closed the connection")
+        self._lost(CloseReason(CloseKind.PEER_CLOSED, "peer closed the connection"))
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._lost(f"connection lost: {exc}" if exc else "connection closed")
+        self._lost(CloseReason.lost(exc))
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -213,7 +215,7 @@ class HboneTransport(asyncio.BufferedProtocol):
             return
         except (ssl.SSLError, OSError) as e:
             self._flush_tls()  # send the alert, if any
-            self.abort(f"TLS handshake failed: {_ssl_reason(e)}")
+            self.abort(CloseReason(CloseKind.TLS_HANDSHAKE_FAILED, f"TLS handshake failed: {_ssl_reason(e)}"))
             return
         self.handshake_done = True
         self._cancel_timer()
@@ -229,7 +231,8 @@ class HboneTransport(asyncio.BufferedProtocol):
 
     def _on_handshake_timeout(self) -> None:
         if not self.handshake_done:
-            self.abort(f"TLS handshake timed out after {self._handshake_timeout:g}s")
+            message = f"TLS handshake timed out after {self._handshake_timeout:g}s"
+            self.abort(CloseReason(CloseKind.TLS_HANDSHAKE_TIMEOUT, message, timed_out=True))
 
     def _read_tls(self) -> None:
         sslobj = self.ssl_object
@@ -258,10 +261,10 @@ class HboneTransport(asyncio.BufferedProtocol):
                 except ssl.SSLZeroReturnError:
                     if got:
                         self._dispatch(core.buffer_updated(got))
-                    self.abort("peer sent TLS close_notify")
+                    self.abort(CloseReason(CloseKind.TLS_CLOSE_NOTIFY, "peer sent TLS close_notify"))
                     return
                 except ssl.SSLError as e:
-                    self.abort(f"TLS error: {_ssl_reason(e)}")
+                    self.abort(CloseReason(CloseKind.TLS_ERROR, f"TLS error: {_ssl_reason(e)}"))
                     return
                 if not got:
                     break
@@ -273,7 +276,7 @@ class HboneTransport(asyncio.BufferedProtocol):
             self._dispatching = False
             log.warning("closing HTTP/2 connection from %s: %s", _format_peer(self.peer), e)
             self.flush()
-            self.close(f"HTTP/2 protocol error: {e}")
+            self.close(CloseReason(CloseKind.PROTOCOL_ERROR, f"HTTP/2 protocol error: {e}"))
             return
         finally:
             self._dispatching = False
@@ -337,7 +340,7 @@ class HboneTransport(asyncio.BufferedProtocol):
                 for sid in [s for s in streams if s % 2 == parity and s > ev.last_stream_id]:
                     streams.pop(sid).on_reset(ErrorCode.REFUSED_STREAM)
                 if not streams:
-                    self.close("peer sent GOAWAY")
+                    self.close(CloseReason(CloseKind.GOAWAY, "peer sent GOAWAY"))
             elif type(ev) is RemoteSettingsChanged and ev.max_concurrent_streams is not None:
                 self.max_concurrent_streams = ev.max_concurrent_streams
 
@@ -370,7 +373,10 @@ class HboneTransport(asyncio.BufferedProtocol):
         if not self.streams:
             self.last_active = time.monotonic()  # idle from now
         if not self.streams and (self.draining or self.core.goaway_received is not None):
-            self.close("drained" if self.draining else "peer sent GOAWAY and the last stream finished")
+            if self.draining:
+                self.close(_DRAINED)
+            else:
+                self.close(CloseReason(CloseKind.GOAWAY, "peer sent GOAWAY and the last stream finished"))
 
     # -- streams -----------------------------------------------------------------------------------------------
 
@@ -415,7 +421,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         """Take no new streams and close when the open ones are done (a client's side of a drain)."""
         self.draining = True
         if not self.streams:
-            self.close("drained")
+            self.close(_DRAINED)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -431,7 +437,7 @@ class HboneTransport(asyncio.BufferedProtocol):
             # Upstream: keepalive timeout -> abrupt GOAWAY NO_ERROR, then drop the connection.
             self.core.goaway(ErrorCode.NO_ERROR)
             self.flush()
-            self.abort(f"no PING response within {PING_TIMEOUT:g}s")
+            self.abort(CloseReason(CloseKind.KEEPALIVE_TIMEOUT, f"no PING response within {PING_TIMEOUT:g}s"))
             return
         if self._ping_sent_at is None:
             self._ping_sent_at = now
@@ -451,31 +457,33 @@ class HboneTransport(asyncio.BufferedProtocol):
         self.core.goaway(ErrorCode.NO_ERROR)
         self.flush()
         if not self.streams:
-            self.close("drained")
+            self.close(_DRAINED)
 
-    def close(self, reason: str) -> None:
-        """Close politely: TLS close_notify, then TCP FIN once the write buffer drains."""
+    def close(self, reason: CloseReason | str) -> None:
+        """Close politely: TLS close_notify, then TCP FIN once the write buffer drains. A ``str`` is ztunnel's own
+        reason (:attr:`CloseKind.ABORTED`)."""
         if self.closed:
             return
         if self.ssl_object is not None and self.handshake_done:
             with contextlib.suppress(ssl.SSLError):
                 self.ssl_object.unwrap()
             self._flush_tls()
-        self._lost(reason)
+        self._lost(reason if isinstance(reason, CloseReason) else CloseReason.aborted(reason))
         if self.transport is not None:
             self.transport.close()
             if self.transport.get_write_buffer_size():
                 asyncio.get_running_loop().call_later(CLOSE_TIMEOUT, self.transport.abort)
 
-    def abort(self, reason: str) -> None:
-        """Close at once (protocol error, timeout, failed verification)."""
+    def abort(self, reason: CloseReason | str) -> None:
+        """Close at once (protocol error, timeout, failed verification). A ``str`` is ztunnel's own reason
+        (:attr:`CloseKind.ABORTED`), such as a shutdown's."""
         if self.closed:
             return
-        self._lost(reason)
+        self._lost(reason if isinstance(reason, CloseReason) else CloseReason.aborted(reason))
         if self.transport is not None:
             self.transport.abort()
 
-    def _lost(self, reason: str) -> None:
+    def _lost(self, reason: CloseReason) -> None:
         if self.closed:
             return
         self.closed = True

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ztunnel.proxy.hbone.core import FRAME_HEADER_SIZE, ErrorCode, HboneConnection
+from ztunnel.proxy.hbone.reason import CloseReason
 from ztunnel.proxy.relay import HDR, PlainConnection
 
 # The relay keeps HDR bytes free before every payload it reads; a DATA frame header must fit there.
@@ -194,7 +195,7 @@ class HboneStream:
             else:
                 self.plain.resume_reading()
 
-    def on_connection_lost(self, reason: str) -> None:
+    def on_connection_lost(self, reason: CloseReason) -> None:
         if self.done:
             return
         self.error = f"HBONE connection lost: {reason}"
