@@ -211,7 +211,6 @@ def certificates_json(states: Mapping[Identity, CertificateState]) -> list[dict[
     out = []
     for identity, st in sorted(states.items(), key=lambda kv: str(kv[0])):
         entry: dict[str, Any] = {"identity": str(identity)}
-        status = st.status.value
         if st.certificate is not None:
             entry["state"] = "Available"
             cert = st.certificate
@@ -221,7 +220,7 @@ def certificates_json(states: Mapping[Identity, CertificateState]) -> list[dict[
             entry["state"] = f"Unavailable: {st.error}"
             entry["certChain"], entry["rootCerts"] = [], []
         else:
-            entry["state"] = "Initializing" if status.lower().startswith("init") else status
+            entry["state"] = st.status.value  # "Initializing": a fetch is in progress
             entry["certChain"], entry["rootCerts"] = [], []
         out.append(entry)
     return out

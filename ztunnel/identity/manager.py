@@ -156,7 +156,15 @@ class Priority(enum.IntEnum):
 
 
 class CertificateUnavailable(ZtunnelError):
-    """There is no certificate for the identity: its last fetch failed (the message says why) or it was forgotten."""
+    """There is no certificate for the identity: its last fetch failed (the message says why) or it was forgotten.
+
+    ``reason`` is the why alone, without the identity (the whole message when there is no more to it), for callers
+    that name the identity themselves.
+    """
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = message if reason is None else reason
 
 
 class CaClientProtocol(Protocol):
@@ -395,7 +403,7 @@ class SecretManager:
                     return st.certificate
                 self._renew_expired(identity, st.certificate, priority)
             if st.status is CertificateStatus.UNAVAILABLE:
-                raise CertificateUnavailable(f"no certificate for {identity}: {st.error}")
+                raise CertificateUnavailable(f"no certificate for {identity}: {st.error}", st.error)
             fut: asyncio.Future[None] = loop.create_future()
             entry.waiters.append(fut)
             await fut

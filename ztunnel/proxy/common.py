@@ -4,6 +4,7 @@ inbound destination service guess, and the TLS context cache. The listeners' inp
 from __future__ import annotations
 
 import enum
+import errno
 import os
 import random
 import ssl
@@ -39,11 +40,31 @@ class ResponseFlag(enum.Enum):
 
 
 class ProxyError(ZtunnelError):
-    """A connection could not be proxied. ``flag`` is the response flag; the message goes to the access log."""
+    """A connection could not be proxied. The message goes to the access log; ``flag`` is its response flag (the
+    metrics label and access-log value), decided where the error is made so no caller maps it; ``timed_out`` says
+    the destination did not answer in time (a connect or TLS handshake timeout, or the socket's ETIMEDOUT)."""
 
-    def __init__(self, message: str, flag: ResponseFlag = ResponseFlag.CONNECT) -> None:
+    def __init__(self, message: str, flag: ResponseFlag = ResponseFlag.CONNECT, *, timed_out: bool = False) -> None:
         super().__init__(message)
         self.flag = flag
+        self.timed_out = timed_out
+
+
+class HttpStatusError(ProxyError):
+    """The HBONE peer answered our CONNECT with ``status``, not 200 (upstream's ``Error::HttpStatus``). Any refusal,
+    401 included, is a connection failure at the source: only the destination knows a policy denied it."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"http status: {status} {_REASONS.get(status, '')}", ResponseFlag.CONNECT)
+        self.status = status
+
+
+_REASONS = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 503: "Service Unavailable"}
+
+
+def is_timeout(e: BaseException) -> bool:
+    """A socket call that failed with ETIMEDOUT (the peer never answered): a timeout, as much as our own."""
+    return isinstance(e, OSError) and e.errno == errno.ETIMEDOUT
 
 
 def os_error_reason(e: OSError) -> str:

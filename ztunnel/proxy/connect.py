@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable
 from ipaddress import ip_address
 
-from ztunnel.proxy.common import CONNECTION_TIMEOUT, ProxyError, format_addr, os_error_reason
+from ztunnel.proxy.common import CONNECTION_TIMEOUT, ProxyError, format_addr, is_timeout, os_error_reason
 from ztunnel.proxy.connection_manager import ConnectionRecord
 from ztunnel.proxy.relay import PlainConnection
 from ztunnel.sockets import (
@@ -55,10 +55,12 @@ async def connect_plain(
         await loop.create_connection(lambda: upstream, sock=sock)
     except TimeoutError:
         sock.close()
-        raise ProxyError(f"connection to {format_addr(*dst)} timed out") from None
+        raise ProxyError(f"connection to {format_addr(*dst)} timed out", timed_out=True) from None
     except OSError as e:
         sock.close()
-        raise ProxyError(f"failed to connect to {format_addr(*dst)}: {os_error_reason(e)}") from None
+        raise ProxyError(
+            f"failed to connect to {format_addr(*dst)}: {os_error_reason(e)}", timed_out=is_timeout(e)
+        ) from None
     except asyncio.CancelledError:
         sock.close()  # the stream this was for went away first
         raise

@@ -29,7 +29,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ztunnel import baggage, tls
-from ztunnel.errors import ZtunnelError
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.common import (
     BAGGAGE_HEADER,
@@ -73,11 +72,12 @@ class InboundRequest:
     service: ServiceDescription | None
 
 
-class InboundRejected(ZtunnelError):
+class InboundRejected(ProxyError):
+    """A CONNECT refused with HTTP ``status``; the message and response flag go to the access log."""
+
     def __init__(self, status: int, message: str, flag: ResponseFlag = ResponseFlag.CONNECT) -> None:
-        super().__init__(message)
+        super().__init__(message, flag)
         self.status = status
-        self.flag = flag
 
 
 def parse_authority(authority: str) -> tuple[IPAddress, int] | tuple[str, int]:
@@ -371,7 +371,7 @@ class Inbound(Listener):
         try:
             upstream = await connect_interruptible(self.pi.sockets, record, dst, spoof, self.transparent)
         except ProxyError as e:
-            raise InboundRejected(503, str(e)) from None
+            raise InboundRejected(503, str(e), e.flag) from None
         if upstream is None:
             flag, reason = record.forced or (ResponseFlag.CONNECT, INTERRUPTED)
             raise InboundRejected(401 if flag is ResponseFlag.DENY else 503, reason, flag)

@@ -79,7 +79,7 @@ class InboundPassthrough(Listener):
             upstream = await connect_interruptible(pi.sockets, record, dst, spoof, self.transparent)
         except ProxyError as e:
             plain.close()
-            pi.connections.release(record, ResponseFlag.CONNECT, str(e))
+            pi.connections.release(record, e.flag, str(e))
             return
         except asyncio.CancelledError:
             plain.close()

@@ -32,10 +32,12 @@ from ztunnel.proxy.common import (
     BAGGAGE_HEADER,
     FORWARDED_HEADER,
     TRACEPARENT_HEADER,
+    HttpStatusError,
     ProxyError,
     ResponseFlag,
     format_addr,
     forwarded_header,
+    is_timeout,
     new_traceparent,
 )
 from ztunnel.proxy.connect import connect_plain
@@ -259,7 +261,7 @@ class Outbound(Listener):
         except ProxyError as e:
             self._fail(plain, src, dst, record, e, ready)
         except (OSError, ConnectionError) as e:
-            self._fail(plain, src, dst, record, ProxyError(str(e)), ready)
+            self._fail(plain, src, dst, record, ProxyError(str(e), timed_out=is_timeout(e)), ready)
 
     def _fail(
         self,
@@ -295,12 +297,11 @@ class Outbound(Listener):
         try:
             status, _headers = await stream.response
         except ConnectionError as e:
-            raise ProxyError(f"HBONE stream failed: {e}") from None
+            lost = stream.lost
+            raise ProxyError(f"HBONE stream failed: {e}", timed_out=lost is not None and lost.timed_out) from None
         if status != 200:
             stream.reset()
-            # Any refusal, 401 included, is a connection failure at the source (upstream's HttpStatus error): only
-            # the destination knows a policy denied it and reports DENY.
-            raise ProxyError(f"http status: {status} {_reason(status)}", ResponseFlag.CONNECT)
+            raise HttpStatusError(status)
         if plain.closed:
             stream.reset()
             raise ProxyError("client closed the connection before the tunnel was established")
@@ -357,13 +358,6 @@ async def _resolve(req: Request) -> Request:
         req.intended_destination_service,
         req.upstream_sans,
     )
-
-
-_REASONS = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 503: "Service Unavailable"}
-
-
-def _reason(status: int) -> str:
-    return _REASONS.get(status, "")
 
 
 __all__ = ["Outbound", "OutboundProtocol", "Request", "build_request", "hbone_headers"]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ztunnel import tls
 from ztunnel.config import Config
-from ztunnel.identity.manager import CertificateProvider
+from ztunnel.identity.manager import CertificateProvider, CertificateUnavailable
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.common import (
     CONNECTION_TIMEOUT,
@@ -28,6 +28,7 @@ from ztunnel.proxy.common import (
     ResponseFlag,
     TlsContextCache,
     format_addr,
+    is_timeout,
     os_error_reason,
 )
 from ztunnel.proxy.hbone.connection import HboneTransport, http2_settings
@@ -141,8 +142,8 @@ class WorkloadHBONEPool:
             cert = await self._certs.fetch_certificate(key.src_id)
         except Exception as e:
             # No certificate (CA down, renewal failed, expired): fail this connection with the reason, as upstream.
-            reason = str(e) if str(e).startswith("no certificate") else f"no certificate for {key.src_id}: {e}"
-            raise ProxyError(reason) from None
+            why = e.reason if isinstance(e, CertificateUnavailable) else e
+            raise ProxyError(f"no certificate for {key.src_id}: {why}") from None
         ctx = self._contexts.client(key.src_id, cert)
         ip, port = key.dst
         sock = self._sockets.tcp(family_of(ip))
@@ -154,10 +155,13 @@ class WorkloadHBONEPool:
             raise ProxyError(
                 f"connection to {format_addr(ip, port)} timed out, maybe a NetworkPolicy is blocking HBONE port {port}",
                 ResponseFlag.NETWORK_POLICY,
+                timed_out=True,
             ) from None
         except OSError as e:
             sock.close()
-            raise ProxyError(f"failed to connect to {format_addr(ip, port)}: {os_error_reason(e)}") from None
+            raise ProxyError(
+                f"failed to connect to {format_addr(ip, port)}: {os_error_reason(e)}", timed_out=is_timeout(e)
+            ) from None
         done: asyncio.Future[HboneTransport] = loop.create_future()
 
         def on_handshake(t: HboneTransport) -> None:
@@ -181,7 +185,8 @@ class WorkloadHBONEPool:
             reason = t.close_reason
             if not done.done() and reason is not None:
                 flag = ResponseFlag.TLS_FAILURE if reason.tls_failure else ResponseFlag.CONNECT
-                done.set_exception(ProxyError(f"HBONE connection to {format_addr(ip, port)}: {reason}", flag))
+                message = f"HBONE connection to {format_addr(ip, port)}: {reason}"
+                done.set_exception(ProxyError(message, flag, timed_out=reason.timed_out))
             self._remove(key, t)
 
         try:
@@ -193,7 +198,7 @@ class WorkloadHBONEPool:
             )
         except OSError as e:
             sock.close()
-            raise ProxyError(f"failed to connect to {format_addr(ip, port)}: {e}") from None
+            raise ProxyError(f"failed to connect to {format_addr(ip, port)}: {e}", timed_out=is_timeout(e)) from None
         conn = await done
         self.dials += 1
         log.debug("new HBONE connection for %s", key)

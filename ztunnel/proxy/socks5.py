@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import cast
 
-from ztunnel.proxy.common import ProxyError, ResponseFlag, format_addr
+from ztunnel.proxy.common import HttpStatusError, ProxyError, ResponseFlag, format_addr
 from ztunnel.proxy.connection_manager import Direction, log_failed
 from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.proxy.listener import Listener
@@ -190,10 +190,12 @@ async def system_resolve(name: str) -> list[IPAddress]:
     return [canonical_ip(ipaddress.ip_address(i[4][0])) for i in infos]
 
 
-def _reply_for(error: ProxyError) -> Reply:
-    if error.flag is ResponseFlag.DENY or "401" in str(error):
+def reply_for(error: ProxyError) -> Reply:
+    """The reply for a failed CONNECT, from what the error is: denied by policy (a 401 from the destination, or
+    DENY here) is ``02``, a destination that did not answer in time ``04``, anything else ``05``."""
+    if error.flag is ResponseFlag.DENY or (isinstance(error, HttpStatusError) and error.status == 401):
         return Reply.NOT_ALLOWED
-    if "timed out" in str(error):
+    if error.timed_out:
         return Reply.HOST_UNREACHABLE
     return Reply.CONNECTION_REFUSED
 
@@ -291,7 +293,7 @@ class Socks5(Listener):
         def ready(error: ProxyError | None) -> None:
             if transport.is_closing():
                 return
-            transport.write(method_reply + (reply(Reply.SUCCEEDED) if error is None else reply(_reply_for(error))))
+            transport.write(method_reply + (reply(Reply.SUCCEEDED) if error is None else reply(reply_for(error))))
 
         if log.isEnabledFor(logging.DEBUG):
             log.debug("SOCKS5 %s -> %s", format_addr(*src), format_addr(*dst))

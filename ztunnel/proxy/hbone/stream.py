@@ -73,6 +73,7 @@ class HboneStream:
         self.remote_ended = False  # END_STREAM received (and passed on as FIN)
         self.local_ended = False  # END_STREAM sent
         self.reset_code: int | None = None
+        self.lost: CloseReason | None = None  # why the connection went away under the stream, if it did
         self.error: str | None = None
         self.done = False
         self.bytes_to_plain = 0
@@ -198,6 +199,7 @@ class HboneStream:
     def on_connection_lost(self, reason: CloseReason) -> None:
         if self.done:
             return
+        self.lost = reason
         self.error = f"HBONE connection lost: {reason}"
         if self.response is not None and not self.response.done():
             self.response.set_exception(ConnectionResetError(self.error))
