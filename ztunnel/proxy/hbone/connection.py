@@ -11,6 +11,11 @@ reading its plaintext side; they resume when it drains below 256 KiB. Receive-si
 control (see ``core``).
 
 Keepalive as upstream: a PING every 10 s; no answer within 20 s closes the connection.
+
+Streams: the transport hands out :class:`~ztunnel.proxy.hbone.stream.HboneStream` objects (``open_stream`` for a
+client, one per CONNECT received for a server, answered with ``respond`` or ``reject``) and dispatches each event to
+its stream; nothing outside this package touches the HTTP/2 core, the stream table or the flush. Why a connection
+closed is a :class:`~ztunnel.proxy.hbone.reason.CloseReason`.
 """
 
 from __future__ import annotations
