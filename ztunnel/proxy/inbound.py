@@ -326,7 +326,7 @@ class Inbound(Listener):
             if ip_workload is not None and record.src_workload is None and pi.config.verify_source_identity:
                 _check_source_identity(ip_workload, identity, src[0])
         except InboundRejected as e:
-            self._reject(conn, stream, ev, record, e)
+            self._reject(conn, stream, record, e)
             return
         record.rbac = Connection(src[0], src[1], req.upstream[0], req.upstream[1], identity, pi.config.network)
         # Tracked from before the policy check until it closes (upstream's assert_rbac registers first): a policy
@@ -339,7 +339,7 @@ class Inbound(Listener):
             _refuse_proxy_protocol_tunnel(req.local)
             upstream = await self._connect(record, req.upstream, src[0])
         except InboundRejected as e:
-            self._reject(conn, stream, ev, record, e)
+            self._reject(conn, stream, record, e)
             return
         except asyncio.CancelledError:
             # The peer reset the stream or lost the connection first (its setup task is cancelled), or shutdown.
@@ -387,14 +387,7 @@ class Inbound(Listener):
         if not isinstance(host, str) and host != conn_dst:
             await self.pi.fetch_address(_naddr(self.pi, host))
 
-    def _reject(
-        self,
-        conn: HboneTransport,
-        stream: HboneStream,
-        ev: ConnectRequested,
-        record: ConnectionRecord,
-        e: InboundRejected,
-    ) -> None:
+    def _reject(self, conn: HboneTransport, stream: HboneStream, record: ConnectionRecord, e: InboundRejected) -> None:
         """Answer ``e.status`` and end the stream; the access log and metrics report it (never established)."""
         conn.reject(stream, e.status)
         pi = self.pi
