@@ -611,7 +611,7 @@ def test_path_check_can_fail() -> None:
     text = (
         "| `tests/test_docs.py::test_path_check_can_fail`, `::check_paths` | `ztunnel/nope.py` |\n"
         "| `tests/test_docs.py::no_such_test` | |\n\nA bare `::orphan`.\n\n"
-        "See `ztunnel/proxy/relay.py::HboneStream.attach` and `tests/**/test_*_fuzz.py`, not `ztunnel/proxy/*.rs`.\n"
+        "See `ztunnel/proxy/hbone/stream.py::HboneStream.attach` and `tests/**/test_*_fuzz.py`, not `ztunnel/proxy/*.rs`.\n"
     )
     problems = check_paths(text, README)
     assert len(problems) == 4, problems

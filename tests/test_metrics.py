@@ -240,7 +240,7 @@ async def test_periodic_flush_counts_bytes_of_open_connections_once() -> None:
     record.bytes_sent, record.bytes_recv = (lambda: counted["sent"]), (lambda: counted["recv"])
     manager.register(record)
     assert record.metrics is not None
-    flusher = asyncio.ensure_future(flush_periodically(manager, traffic, interval=0.01))  # noqa: TID251 - test
+    flusher = asyncio.ensure_future(flush_periodically(lambda: manager, traffic, interval=0.01))  # noqa: TID251 - test
     try:
         counted.update(sent=100, recv=1000)
         await asyncio.sleep(0.05)

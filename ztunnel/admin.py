@@ -17,7 +17,6 @@ import asyncio
 import base64
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
@@ -31,8 +30,6 @@ from ztunnel.http import HttpServer
 from ztunnel.identity.manager import CertificateState
 from ztunnel.identity.spiffe import Identity
 from ztunnel.localconfig import LocalConfig
-from ztunnel.net import format_addr
-from ztunnel.proxy.connection_manager import ConnectionRecord
 from ztunnel.rbac import Authorization, Match, StringMatch, StringMatchKind
 from ztunnel.state import ProxyState
 from ztunnel.state.service import Endpoint, Service
@@ -214,7 +211,6 @@ def certificates_json(states: Mapping[Identity, CertificateState]) -> list[dict[
     out = []
     for identity, st in sorted(states.items(), key=lambda kv: str(kv[0])):
         entry: dict[str, Any] = {"identity": str(identity)}
-        status = st.status.value
         if st.certificate is not None:
             entry["state"] = "Available"
             cert = st.certificate
@@ -224,34 +220,18 @@ def certificates_json(states: Mapping[Identity, CertificateState]) -> list[dict[
             entry["state"] = f"Unavailable: {st.error}"
             entry["certChain"], entry["rootCerts"] = [], []
         else:
-            entry["state"] = "Initializing" if status.lower().startswith("init") else status
+            entry["state"] = st.status.value  # "Initializing": a fetch is in progress
             entry["certChain"], entry["rootCerts"] = [], []
         out.append(entry)
     return out
 
 
-def connection_json(r: ConnectionRecord, now: float) -> dict[str, Any]:
-    return {
-        "id": r.id,
-        "direction": r.direction.value,
-        "src": format_addr(*r.src),
-        "dst": format_addr(*r.dst),
-        "hboneTarget": r.hbone_target,
-        "srcIdentity": str(r.src_identity) if r.src_identity is not None else None,
-        "dstIdentity": str(r.dst_identity) if r.dst_identity is not None else None,
-        "srcWorkload": r.src_workload.name if r.src_workload is not None else None,
-        "dstWorkload": r.dst_workload.name if r.dst_workload is not None else None,
-        "dstService": r.dst_service.hostname if r.dst_service is not None else None,
-        "securityPolicy": "mutual_tls" if r.mtls else "unknown",
-        "policyChecked": r.rbac is not None,
-        "bytesSent": r.bytes_sent(),
-        "bytesReceived": r.bytes_recv(),
-        "ageSeconds": round(now - r.started, 3),
-    }
-
-
 class AdminServer:
-    """The admin HTTP server; the app passes in what it shows and how to shut down."""
+    """The admin HTTP server; the app passes in what it shows and how to shut down.
+
+    ``connections`` lists the open connections as JSON objects, afresh for each ``/connections`` request: the
+    admin server knows nothing of the data plane (the proxy's records render themselves).
+    """
 
     def __init__(
         self,
@@ -259,7 +239,7 @@ class AdminServer:
         state: ProxyState,
         *,
         certificates: Callable[[], Mapping[Identity, CertificateState]],
-        connections: Callable[[], Iterable[ConnectionRecord]],
+        connections: Callable[[], Iterable[Mapping[str, Any]]],
         shutdown: Callable[[], Awaitable[None]],
         local_config: LocalConfig | None = None,
         workload_state: Callable[[], Mapping[str, Any]] | None = None,
@@ -304,8 +284,7 @@ class AdminServer:
             return web.Response(text=json.dumps(self.config_dump(), indent=2), content_type="application/json")
 
         async def connections(request: web.Request) -> web.Response:
-            now = time.monotonic()
-            body = [connection_json(r, now) for r in self.connections()]
+            body = [dict(c) for c in self.connections()]
             return web.Response(text=json.dumps(body, indent=2), content_type="application/json")
 
         async def logging_(request: web.Request) -> web.Response:

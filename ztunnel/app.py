@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -24,15 +25,17 @@ from ztunnel.admin import AdminServer
 from ztunnel.config import Config, ProxyMode
 from ztunnel.dns.metrics import Metrics as DnsMetrics
 from ztunnel.drain import Drain, DrainMode
+from ztunnel.errors import ZtunnelError
 from ztunnel.identity.ca import CaError, LocalCA
 from ztunnel.identity.manager import CertificateProvider
 from ztunnel.localconfig import LocalConfig, load_local_config, parse_local_config
 from ztunnel.metrics import Registry, StatsServer
 from ztunnel.net import format_addr
 from ztunnel.proxy import Proxy
-from ztunnel.proxy.common import LocalWorkload, OnDemand, TlsContextCache
+from ztunnel.proxy.common import TlsContextCache
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction
-from ztunnel.proxy.metrics import FLUSH_INTERVAL, TrafficMetrics, flush_periodically
+from ztunnel.proxy.inputs import LocalWorkload, OnDemand
+from ztunnel.proxy.metrics import TrafficMetrics, flush_periodically
 from ztunnel.proxyfactory import PodProxies, ProxyFactory
 from ztunnel.readiness import BlockReady, Readiness, ReadinessServer
 from ztunnel.state import ProxyState
@@ -42,7 +45,7 @@ from ztunnel.tasks import TaskGroup
 log = logging.getLogger("ztunnel.app")
 
 
-class StartupError(Exception):
+class StartupError(ZtunnelError):
     """ztunnel cannot start with this configuration; the message says what to fix."""
 
 
@@ -146,11 +149,12 @@ class App:
                 self.proxy = self.factory.dedicated(info, self.drain)
                 if self.proxy.socks5 is not None and self.dns_proxy is not None:
                     self.proxy.socks5.resolve = self.dns_proxy.resolve  # SOCKS5 names resolve here, as upstream
-                self.tasks.spawn(flush_periodically(self.proxy.pi.connections, self.traffic), "metrics flush")
                 await self.proxy.start()
                 proxy_ready.release()
         elif self.config.proxy_mode is ProxyMode.SHARED:
             self._start_inpod(state_ready)
+        # Bytes of long-lived connections reach the counters every 5 s, for every proxy (in-pod: every pod's).
+        self.tasks.spawn(flush_periodically(self._all_connections, self.traffic), "metrics flush")
         await self._start_admin()
 
     async def _start_admin(self) -> None:
@@ -193,14 +197,6 @@ class App:
             await manager.run()
 
         self.inpod_task = self.tasks.spawn(run(), "workload proxy manager")
-        self.tasks.spawn(self._flush_pods(), "metrics flush")
-
-    async def _flush_pods(self) -> None:
-        while True:
-            await asyncio.sleep(FLUSH_INTERVAL)
-            for records in self._all_connections():
-                if records.metrics is not None:
-                    self.traffic.flush(records.metrics, records.bytes_sent(), records.bytes_recv())
 
     async def _force_pods(self, pods: list[PodProxies]) -> None:
         """Each pod drains on a drain of its own: a second SIGINT during the drain must reach them too."""
@@ -222,8 +218,10 @@ class App:
     def _all_connections(self) -> list[ConnectionRecord]:
         return [r for p in self._proxies() for r in p.pi.connections]
 
-    def _connections(self) -> list[ConnectionRecord]:
-        return self._all_connections()
+    def _connections(self) -> list[dict[str, Any]]:
+        """The admin ``/connections`` list: every proxy's open connections as JSON."""
+        now = time.monotonic()
+        return [r.to_json(now) for r in self._all_connections()]
 
     def _workload_state(self) -> dict[str, Any]:
         """``workloadState`` of the config dump (in-pod): each pod's state, identity info and connections."""

@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from ztunnel.errors import ZtunnelError
 from ztunnel.identity.spiffe import DEFAULT_TRUST_DOMAIN, Identity
 from ztunnel.net import format_addr
 
@@ -72,7 +73,7 @@ XDS_HEADER_PREFIX = "XDS_HEADER_"
 CA_HEADER_PREFIX = "CA_HEADER_"
 
 
-class ConfigError(ValueError):
+class ConfigError(ZtunnelError, ValueError):
     """A configuration value that cannot be used. The message names the variable, the value and what is accepted."""
 
 

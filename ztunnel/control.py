@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import grpc
 
 from ztunnel.config import DEFAULT_TOKEN_PROVIDER, AuthSource, RootCertKind, RootCertSource
+from ztunnel.errors import ZtunnelError
 from ztunnel.net import format_addr
 
 __all__ = [
@@ -44,7 +45,7 @@ KEEPALIVE_TIMEOUT_MS = 10_000
 _PEM_CERT = b"-----BEGIN CERTIFICATE-----"
 
 
-class ControlPlaneError(Exception):
+class ControlPlaneError(ZtunnelError):
     """The control-plane connection cannot be set up as configured; the message names the variable or file."""
 
 

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from ztunnel.errors import ZtunnelError
 from ztunnel.identity.spiffe import DEFAULT_TRUST_DOMAIN
 from ztunnel.rbac import (
     Action,
@@ -75,7 +76,7 @@ MAX_DEPTH = 128
 MAX_EXPANSION = 100
 
 
-class LocalConfigError(ValueError):
+class LocalConfigError(ZtunnelError, ValueError):
     """A malformed local config. ``str()`` reads ``<source>: <path>: <problem>``."""
 
     def __init__(self, source: str, path: str, problem: str) -> None:

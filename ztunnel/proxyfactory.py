@@ -17,8 +17,9 @@ from ztunnel.drain import Drain, DrainMode
 from ztunnel.identity.manager import CertificateProvider
 from ztunnel.inpod.netns import InPodSocketFactory, Netns, NetnsId
 from ztunnel.proxy import Proxy
-from ztunnel.proxy.common import LocalWorkload, OnDemand, ProxyInputs, TlsContextCache
+from ztunnel.proxy.common import TlsContextCache
 from ztunnel.proxy.connection_manager import ConnectionManager
+from ztunnel.proxy.inputs import LocalWorkload, OnDemand, ProxyInputs
 from ztunnel.proxy.metrics import TrafficMetrics
 from ztunnel.proxy.pool import WorkloadHBONEPool
 from ztunnel.sockets import SocketConfig, SocketFactory

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from ztunnel.config import Config, SocketAddress
+from ztunnel.errors import ZtunnelError
 from ztunnel.net import format_addr
 from ztunnel.state.workload import IPAddress, canonical_ip
 
@@ -183,7 +184,7 @@ def set_mark(sock: socket.socket, mark: int | None) -> None:
         sock.setsockopt(socket.SOL_SOCKET, SO_MARK, mark)
 
 
-class TransparentError(OSError):
+class TransparentError(ZtunnelError, OSError):
     """``ENABLE_ORIG_SRC=true`` and a listener cannot be made transparent; the message says which and why."""
 
 

@@ -34,6 +34,7 @@ from typing import Final
 
 from cryptography import x509
 
+from ztunnel.errors import ZtunnelError
 from ztunnel.identity.certificate import WorkloadCertificate, identities_from_cert
 from ztunnel.identity.spiffe import Identity
 
@@ -77,7 +78,7 @@ _SSL_SESS_CACHE_OFF: Final = 0
 PeerSsl = ssl.SSLObject | ssl.SSLSocket
 
 
-class TlsError(Exception):
+class TlsError(ZtunnelError):
     """Base class for HBONE TLS failures."""
 
 

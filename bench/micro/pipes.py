@@ -24,7 +24,8 @@ from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.hbone.connection import HboneTransport
 from ztunnel.proxy.hbone.core import ConnectRequested, HboneConnection
-from ztunnel.proxy.relay import HboneStream, PlainConnection
+from ztunnel.proxy.hbone.stream import HboneStream
+from ztunnel.proxy.relay import PlainConnection
 
 TRUST_DOMAIN = "cluster.local"
 CLIENT_ID = Identity(TRUST_DOMAIN, "default", "client")
@@ -127,10 +128,7 @@ class HbonePair:
             raise RuntimeError(
                 f"in-memory TLS handshake failed: {self.client.close_reason or self.server.close_reason}"
             )
-        sid = self.client.core.send_connect("10.0.0.2:8080", [("baggage", "k8s.namespace.name=default")])
-        self.client_stream = HboneStream(self.client, sid)
-        self.client.handlers[sid] = self.client_stream
-        self.client.flush()
+        self.client_stream = self.client.open_stream("10.0.0.2:8080", [("baggage", "k8s.namespace.name=default")])
         self.pump()
         if not self._accepted():
             raise RuntimeError("the CONNECT did not reach the server")
@@ -139,11 +137,8 @@ class HbonePair:
     def _accepted(self) -> bool:
         return self.server_stream is not None
 
-    def _accept(self, conn: HboneTransport, ev: ConnectRequested) -> None:
-        stream = HboneStream(conn, ev.stream_id)
-        conn.handlers[ev.stream_id] = stream
-        conn.core.send_response(ev.stream_id, 200)
-        conn.flush()
+    def _accept(self, conn: HboneTransport, stream: HboneStream, ev: ConnectRequested) -> None:
+        conn.respond(stream, 200)
         stream.attach(self.server_plain)
         self.server_stream = stream
 

@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 
 from ztunnel.proxy.hbone.connection import WRITE_HIGH_WATER, HboneTransport
-from ztunnel.proxy.relay import PLAIN_HIGH_WATER, HboneStream, PlainConnection
+from ztunnel.proxy.hbone.stream import HboneStream
+from ztunnel.proxy.relay import PLAIN_HIGH_WATER, PlainConnection
 from ztunnel.testing import TwoNodeMesh, running_app
 
 MiB = 1024 * 1024
@@ -75,9 +76,8 @@ def held(conns: list[HboneTransport]) -> int:
     for conn in conns:
         if conn.transport is not None:
             total += conn.transport.get_write_buffer_size()
-        for h in conn.handlers.values():
-            if isinstance(h, HboneStream):
-                total += plain_held(h.plain) + sum(map(len, h._early))
+        for h in conn.streams.values():
+            total += plain_held(h.plain) + sum(map(len, h._early))
     return total
 
 
@@ -90,8 +90,8 @@ async def nodes(tmp_path: Path) -> AsyncIterator[tuple[TwoNodeMesh, Any, Any]]:
 
 def stream_of(conns: list[HboneTransport]) -> HboneStream:
     (conn,) = conns
-    (stream,) = conn.handlers.values()
-    assert isinstance(stream, HboneStream) and stream.plain is not None
+    (stream,) = conn.streams.values()
+    assert stream.plain is not None
     return stream
 
 

@@ -110,13 +110,13 @@ async def test_500_concurrent_connections_share_pooled_connections(nodes: tuple[
     while echo.connections < 500:
         await asyncio.sleep(0.02)
     pool = a.proxy.pi.pool
-    assert sum(len(c.handlers) for c in pool.connections()) == 500
+    assert sum(c.stream_count for c in pool.connections()) == 500
     all_open.set()
     results = await asyncio.gather(*tasks)
     assert results == [f"hello {i}".encode() for i in range(500)]
     # 500 open streams, at most 100 per connection: five connections (plus at most a few from racing dials).
     assert 5 <= pool.dials <= 8
-    assert all(len(c.handlers) <= 100 for c in pool.connections())
+    assert all(c.stream_count <= 100 for c in pool.connections())
 
 
 async def test_half_close_client_first(nodes: tuple[Any, Any, EchoServer]) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from ztunnel.proxy.hbone.connection import HboneTransport
 from ztunnel.proxy.hbone.core import ConnectRequested
-from ztunnel.proxy.relay import HboneStream
+from ztunnel.proxy.hbone.stream import HboneStream
 from ztunnel.testing import EchoServer, TwoNodeMesh, running_app
 
 TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-00")
@@ -59,9 +59,9 @@ async def start(
             inbound: Any = b.proxy.inbound  # type: ignore[attr-defined]
             on_request = inbound._on_request
 
-            def record(conn: HboneTransport, ev: ConnectRequested) -> None:
+            def record(conn: HboneTransport, stream: HboneStream, ev: ConnectRequested) -> None:
                 cap.requests.append(ev)
-                on_request(conn, ev)
+                on_request(conn, stream, ev)
 
             monkeypatch.setattr(inbound, "_on_request", record)  # this one node B only
             yield m, cap

@@ -18,14 +18,9 @@ import pytest
 
 from ztunnel.config import WorkloadInfo
 from ztunnel.net import format_addr
-from ztunnel.proxy.common import ProxyInputs
-from ztunnel.proxy.inbound import (
-    InboundRejected,
-    build_inbound_request,
-    from_gateway,
-    guess_inbound_service,
-    parse_forwarded_host,
-)
+from ztunnel.proxy.common import guess_inbound_service
+from ztunnel.proxy.inbound import InboundRejected, build_inbound_request, from_gateway, parse_forwarded_host
+from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.state import ProxyState, StateUpdate
 from ztunnel.state.service import Service
 from ztunnel.state.workload import (

@@ -34,9 +34,10 @@ from ztunnel.config import WorkloadInfo
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
 from ztunnel.net import format_addr
-from ztunnel.proxy.common import ProxyInputs, forwarded_header
+from ztunnel.proxy.common import forwarded_header
 from ztunnel.proxy.hbone.core import ErrorCode
 from ztunnel.proxy.inbound import InboundRejected, build_inbound_request, parse_authority, parse_forwarded_host
+from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.state import ProxyState, StateUpdate
 from ztunnel.state.service import Service
 from ztunnel.state.workload import InboundProtocol, NamespacedHostname, NetworkAddress, Workload

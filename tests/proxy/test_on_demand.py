@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from ztunnel.config import from_env
-from ztunnel.proxy import common
-from ztunnel.proxy.common import ProxyInputs
+from ztunnel.proxy import inputs as proxy_inputs
+from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.state import ProxyState, StateUpdate
 from ztunnel.state.workload import NetworkAddress, Workload
 from ztunnel.tasks import TaskGroup
@@ -61,7 +61,7 @@ async def test_asks_only_for_addresses_the_state_does_not_know(state: ProxyState
 async def test_unanswered_demand_is_bounded(
     state: ProxyState, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(common, "ON_DEMAND_TIMEOUT", 0.05)
+    monkeypatch.setattr(proxy_inputs, "ON_DEMAND_TIMEOUT", 0.05)
 
     async def never(addr: NetworkAddress) -> None:
         await asyncio.Event().wait()

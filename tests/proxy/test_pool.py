@@ -24,8 +24,9 @@ from ztunnel.identity.manager import LocalCertificateProvider
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.common import ProxyError, ResponseFlag, TlsContextCache
 from ztunnel.proxy.hbone.connection import HboneTransport
+from ztunnel.proxy.hbone.stream import HboneStream
 from ztunnel.proxy.pool import WorkloadHBONEPool, WorkloadKey
-from ztunnel.proxy.relay import HboneStream, PlainConnection
+from ztunnel.proxy.relay import PlainConnection
 from ztunnel.sockets import SocketConfig, SocketFactory
 from ztunnel.state.workload import IPAddress
 from ztunnel.testing import EchoServer, node_env, running_app
@@ -144,6 +145,12 @@ async def open_ok(pool: WorkloadHBONEPool, key: WorkloadKey, authority: str = f"
     return stream
 
 
+def conn_of(stream: HboneStream) -> HboneTransport:
+    """The pooled connection a stream was opened on."""
+    assert isinstance(stream.conn, HboneTransport)
+    return stream.conn
+
+
 async def roundtrip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, data: bytes) -> None:
     writer.write(data)
     assert await asyncio.wait_for(reader.readexactly(len(data)), 5) == data
@@ -208,7 +215,7 @@ async def test_different_keys_get_different_connections(env: Env, node_c: Any) -
     for name, key in keys.items():
         authority = f"{C_IP}:8080" if name == "destination" else f"{B_IP}:8080"
         stream = await asyncio.wait_for(pool.open_stream(key, authority, []), 5)
-        conns[name] = stream.conn
+        conns[name] = conn_of(stream)
     assert len({id(c) for c in conns.values()}) == len(keys)
     assert pool.dials == len(keys)
     assert len(pool) == len(keys)
@@ -231,7 +238,7 @@ async def test_concurrent_requests_for_new_key_share_one_dial(env: Env) -> None:
     assert len({id(s.conn) for s in streams}) == 1
     assert len({s.stream_id for s in streams}) == 25
     assert env.server_connections() == 1
-    assert len(streams[0].conn.handlers) == 25
+    assert streams[0].conn is pool.connections(key)[0] and pool.connections(key)[0].stream_count == 25
 
 
 # -- stream limits ---------------------------------------------------------------------------------------------------
@@ -259,7 +266,7 @@ async def test_client_stream_limit_opens_new_connection(env: Env) -> None:
     s6 = await open_ok(pool, key)
     assert s6.conn not in (s2.conn, s3.conn)
     assert pool.dials == 3
-    assert all(len(c.handlers) <= 2 for c in pool.connections(key))
+    assert all(c.stream_count <= 2 for c in pool.connections(key))
 
 
 async def test_client_stream_limit_with_concurrent_requests(env: Env) -> None:
@@ -289,7 +296,7 @@ async def test_server_max_concurrent_streams_lower_than_pool_limit(env: Env) -> 
     pool = env.pool()  # POOL_MAX_STREAMS_PER_CONNECTION defaults to 100
     key = key_for()
     s1 = await open_ok(pool, key)
-    assert s1.conn.max_concurrent_streams == 2  # learnt from the server's SETTINGS
+    assert conn_of(s1).max_concurrent_streams == 2  # learnt from the server's SETTINGS
     s2 = await open_ok(pool, key)
     assert s2.conn is s1.conn
     s3 = await open_ok(pool, key)
@@ -305,9 +312,9 @@ async def test_requests_racing_the_servers_settings_all_succeed(env: Env) -> Non
     pool = env.pool()
     key = key_for()
     streams = await asyncio.gather(*(open_ok(pool, key) for _ in range(3)))  # every one answered 200
-    assert {s.conn.max_concurrent_streams for s in streams} == {2}
+    assert {conn_of(s).max_concurrent_streams for s in streams} == {2}
     s4 = await open_ok(pool, key)
-    assert len(s4.conn.handlers) <= 2
+    assert conn_of(s4).stream_count <= 2
     assert 2 <= pool.dials <= 3
 
 
@@ -320,10 +327,10 @@ async def test_server_goaway_moves_new_streams_to_new_connection(env: Env) -> No
     s1 = await open_ok(pool, key)
     r1, w1 = await env.attach(s1)
     await roundtrip(r1, w1, b"before goaway")
-    old = s1.conn
+    old = conn_of(s1)
 
     env.b.proxy.inbound.drain()  # GOAWAY on every server connection
-    await eventually(lambda: old.core.goaway_received is not None)
+    await eventually(lambda: old.goaway_received)
 
     s2 = await open_ok(pool, key)
     assert s2.conn is not old
@@ -349,7 +356,7 @@ async def test_goaway_on_idle_connection_is_dropped_and_redialled(env: Env) -> N
     s1 = await open_ok(pool, key)
     r, w = await env.attach(s1)
     await finish(r, w, s1)
-    old = s1.conn
+    old = conn_of(s1)
     env.b.proxy.inbound.drain()
     await eventually(lambda: old.closed)
     assert pool.connections(key) == []

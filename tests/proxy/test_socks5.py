@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from ztunnel.proxy.common import HttpStatusError, ProxyError, ResponseFlag
 from ztunnel.proxy.socks5 import (
     ConnectRequested,
     Event,
@@ -24,6 +25,7 @@ from ztunnel.proxy.socks5 import (
     Reply,
     Socks5Parser,
     reply,
+    reply_for,
 )
 from ztunnel.testing import EchoServer, node_env, running_app, socks5_connect
 
@@ -326,6 +328,27 @@ async def test_connect_to_refused_destination_gets_05(node: Any) -> None:
         writer.close()
     with pytest.raises(ConnectionError, match="SOCKS5 reply 5"):
         await socks5_connect(SOCKS, "127.0.43.9", 9)
+
+
+async def test_refused_port_that_contains_401_is_still_refused(node: Any) -> None:
+    """The reply follows what the error is, not words in its message: a refused connect to port 40100 is ``05``
+    (reading ``"401" in str(error)`` once made it ``02``, "not allowed by policy")."""
+    with pytest.raises(ConnectionError, match="SOCKS5 reply 5"):
+        await socks5_connect(SOCKS, "127.0.43.9", 40100)
+
+
+@pytest.mark.parametrize(
+    ("error", "expect"),
+    [
+        (HttpStatusError(401), Reply.NOT_ALLOWED),  # the destination's policy refused it
+        (ProxyError("denied", ResponseFlag.DENY), Reply.NOT_ALLOWED),
+        (HttpStatusError(503), Reply.CONNECTION_REFUSED),
+        (ProxyError("connection to 10.0.0.1:80 timed out", timed_out=True), Reply.HOST_UNREACHABLE),
+        (ProxyError("failed to connect to 10.0.0.1:4010: Connection refused"), Reply.CONNECTION_REFUSED),
+    ],
+)
+def test_reply_follows_the_error_type(error: ProxyError, expect: Reply) -> None:
+    assert reply_for(error) is expect
 
 
 async def test_domain_name_resolves_and_pipelined_bytes_arrive(node: Any) -> None:

@@ -34,6 +34,7 @@ import dns.rcode
 import dns.resolver
 
 from ztunnel.config import ProxyMode
+from ztunnel.errors import ZtunnelError
 from ztunnel.net import format_addr
 from ztunnel.sockets import SocketFactory, connect, family_of
 from ztunnel.state.workload import IPAddress, Workload, canonical_ip
@@ -49,7 +50,7 @@ UPSTREAM_EDNS_PAYLOAD = 1232
 _RETRYABLE = frozenset({dns.rcode.SERVFAIL, dns.rcode.REFUSED, dns.rcode.NOTIMP, dns.rcode.FORMERR})
 
 
-class ForwardError(Exception):
+class ForwardError(ZtunnelError):
     """No upstream nameserver answered. The message names what was tried."""
 
 

@@ -37,6 +37,7 @@ from ztunnel.dns.forwarder import RESOLV_CONF, Forwarder, ForwardError, forwarde
 from ztunnel.dns.handler import Forward, Handler, Reply, Transport, encode, parse, response_for
 from ztunnel.dns.metrics import Metrics
 from ztunnel.dns.resolver import Store
+from ztunnel.errors import ZtunnelError
 from ztunnel.sockets import SocketFactory, set_accepted_options
 from ztunnel.state import ProxyState
 from ztunnel.state.workload import IPAddress, Workload, canonical_ip
@@ -57,7 +58,7 @@ LocalWorkloadWait = Callable[[], Awaitable[Workload | None]]
 Send = Callable[[bytes], None]
 
 
-class ResolveError(OSError):
+class ResolveError(ZtunnelError, OSError):
     """A name could not be resolved (the upstream failed, or the proxied workload is unknown)."""
 
 

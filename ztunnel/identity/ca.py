@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from ztunnel.errors import ZtunnelError
 from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.spiffe import Identity
 
@@ -50,7 +51,7 @@ CLOCK_SKEW_ALLOWANCE = timedelta(minutes=1)
 CaKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
 
 
-class CaError(Exception):
+class CaError(ZtunnelError):
     """Base class for local CA failures."""
 
 

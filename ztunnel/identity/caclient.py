@@ -40,6 +40,7 @@ from ztunnel.control import (
     root_cert_file,
     secure_channel,
 )
+from ztunnel.errors import ZtunnelError
 from ztunnel.identity.certificate import CertificateError, WorkloadCertificate
 from ztunnel.identity.spiffe import Identity
 
@@ -52,7 +53,7 @@ IMPERSONATED_IDENTITY = "ImpersonatedIdentity"
 REQUEST_TIMEOUT = 30.0
 
 
-class CaClientError(Exception):
+class CaClientError(ZtunnelError):
     """A certificate could not be obtained from the CA; the message says why and what to check."""
 
 

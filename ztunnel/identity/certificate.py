@@ -25,6 +25,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from ztunnel.errors import ZtunnelError
 from ztunnel.identity.spiffe import Identity
 
 __all__ = [
@@ -35,7 +36,7 @@ __all__ = [
 ]
 
 
-class CertificateError(ValueError):
+class CertificateError(ZtunnelError, ValueError):
     """A certificate, chain or key that cannot be used as a workload certificate."""
 
 

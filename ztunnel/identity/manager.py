@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
+from ztunnel.errors import ZtunnelError
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.spiffe import Identity
@@ -154,8 +155,16 @@ class Priority(enum.IntEnum):
     REALTIME = 2  # a connection is waiting for it
 
 
-class CertificateUnavailable(Exception):
-    """There is no certificate for the identity: its last fetch failed (the message says why) or it was forgotten."""
+class CertificateUnavailable(ZtunnelError):
+    """There is no certificate for the identity: its last fetch failed (the message says why) or it was forgotten.
+
+    ``reason`` is the why alone, without the identity (the whole message when there is no more to it), for callers
+    that name the identity themselves.
+    """
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = message if reason is None else reason
 
 
 class CaClientProtocol(Protocol):
@@ -394,7 +403,7 @@ class SecretManager:
                     return st.certificate
                 self._renew_expired(identity, st.certificate, priority)
             if st.status is CertificateStatus.UNAVAILABLE:
-                raise CertificateUnavailable(f"no certificate for {identity}: {st.error}")
+                raise CertificateUnavailable(f"no certificate for {identity}: {st.error}", st.error)
             fut: asyncio.Future[None] = loop.create_future()
             entry.waiters.append(fut)
             await fut

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ztunnel.errors import ZtunnelError
+
 SPIFFE_PREFIX = "spiffe://"
 DEFAULT_TRUST_DOMAIN = "cluster.local"
 
 
-class IdentityError(ValueError):
+class IdentityError(ZtunnelError, ValueError):
     """A string that is not an Istio SPIFFE identity."""
 
 

@@ -1,7 +1,10 @@
 """The data plane: one :class:`Proxy` per proxied workload, with a module per listener, named as upstream's.
 
-``outbound`` (15001), ``inbound`` (15008, HBONE), ``inbound_passthrough`` (15006), ``socks5`` (15080), the HBONE
-connection ``pool``, the ``relay``, and the ``hbone`` package (the sans-IO HTTP/2 CONNECT core and its TLS adapter).
+Listeners (none imports another): ``outbound`` (15001), ``inbound`` (15008, HBONE), ``inbound_passthrough``
+(15006) and ``socks5`` (15080), on the shared ``listener`` base and given ``inputs`` (``ProxyInputs``). Below them:
+the HBONE connection ``pool``, the plaintext dial (``connect``), the ``relay``, the ``connection_manager`` (access
+log, policy re-checks) and ``metrics``, ``common`` (errors and response flags, headers), and the ``hbone`` package
+(the sans-IO HTTP/2 CONNECT core and its TLS adapter).
 """
 
 from __future__ import annotations
@@ -11,10 +14,10 @@ import contextlib
 import logging
 
 from ztunnel.net import format_addr
-from ztunnel.proxy.common import ProxyInputs
 from ztunnel.proxy.connection_manager import CLOSED_FROM_DRAIN, Authorizer, PolicyWatcher
 from ztunnel.proxy.inbound import Inbound
 from ztunnel.proxy.inbound_passthrough import InboundPassthrough
+from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.proxy.outbound import Outbound
 from ztunnel.proxy.socks5 import Socks5
 

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from ztunnel.identity.spiffe import Identity
 from ztunnel.metrics import Labels
@@ -108,6 +109,26 @@ class ConnectionRecord:
             out["dst.cluster"] = dst.cluster_id
         out["direction"] = self.direction.value
         return out
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        """The admin ``/connections`` entry (this project's addition); ``now`` is ``time.monotonic()``."""
+        return {
+            "id": self.id,
+            "direction": self.direction.value,
+            "src": format_addr(*self.src),
+            "dst": format_addr(*self.dst),
+            "hboneTarget": self.hbone_target,
+            "srcIdentity": str(self.src_identity) if self.src_identity is not None else None,
+            "dstIdentity": str(self.dst_identity) if self.dst_identity is not None else None,
+            "srcWorkload": self.src_workload.name if self.src_workload is not None else None,
+            "dstWorkload": self.dst_workload.name if self.dst_workload is not None else None,
+            "dstService": self.dst_service.hostname if self.dst_service is not None else None,
+            "securityPolicy": "mutual_tls" if self.mtls else "unknown",
+            "policyChecked": self.rbac is not None,
+            "bytesSent": self.bytes_sent(),
+            "bytesReceived": self.bytes_recv(),
+            "ageSeconds": round(now - self.started, 3),
+        }
 
     def labels(self, flag: ResponseFlag = ResponseFlag.NONE) -> Labels:
         svc = self.dst_service
@@ -214,6 +235,11 @@ def log_failed(direction: Direction, src: tuple[IPAddress, int], dst: tuple[IPAd
 
 
 POLICY_CHANGE = "connection closed due to policy change"
+
+
+# Authorization hook: (connection, destination workload) -> None if allowed, else the denial reason.
+# The proxy passes :class:`Authorizer` (policy evaluation); there is deliberately no default.
+AuthorizeFn = Callable[[Connection, Workload], str | None]
 
 
 class Authorizer:

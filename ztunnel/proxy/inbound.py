@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ztunnel import baggage, tls
@@ -35,31 +35,31 @@ from ztunnel.proxy.common import (
     FORWARDED_HEADER,
     X_FORWARDED_NETWORK,
     ProxyError,
-    ProxyInputs,
     ResponseFlag,
+    guess_inbound_service,
+    services_of,
 )
-from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
-from ztunnel.proxy.hbone.connection import HboneTransport
-from ztunnel.proxy.hbone.core import ConnectRequested, ErrorCode, HboneConnection, Settings
+from ztunnel.proxy.connect import INTERRUPTED, connect_interruptible
+from ztunnel.proxy.connection_manager import AuthorizeFn, ConnectionRecord, Direction, log_failed
+from ztunnel.proxy.hbone.connection import HboneTransport, http2_settings
+from ztunnel.proxy.hbone.core import ConnectRequested, ErrorCode, HboneConnection
+from ztunnel.proxy.hbone.reason import CloseKind, CloseReason
+from ztunnel.proxy.hbone.stream import HboneStream
+from ztunnel.proxy.inputs import ProxyInputs
+from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.metrics import DerivedWorkload
-from ztunnel.proxy.outbound import connect_plain
-from ztunnel.proxy.relay import HboneStream, PlainConnection
+from ztunnel.proxy.relay import PlainConnection
 from ztunnel.rbac import Connection
 from ztunnel.sockets import local_dst, peer_addr, set_accepted_options
-from ztunnel.state import ProxyState
 from ztunnel.state.service import Service
 from ztunnel.state.upstream import ServiceDescription
 from ztunnel.state.workload import AppTunnelProtocol, IPAddress, NetworkAddress, NetworkMode, Workload
 
 log = logging.getLogger("ztunnel.proxy.inbound")
 
-# Authorization hook: (connection, destination workload) -> None if allowed, else the denial reason.
-# The proxy passes ``connection_manager.Authorizer`` (policy evaluation); there is deliberately no default.
-AuthorizeFn = Callable[[Connection, Workload], str | None]
 
 # The access log's error for a stream that went away (peer reset, connection lost) before the app answered.
 STREAM_GONE = "stream closed before the connection to the app was established"
-INTERRUPTED = "connection to the app interrupted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +71,12 @@ class InboundRequest:
     service: ServiceDescription | None
 
 
-class InboundRejected(Exception):
+class InboundRejected(ProxyError):
+    """A CONNECT refused with HTTP ``status``; the message and response flag go to the access log."""
+
     def __init__(self, status: int, message: str, flag: ResponseFlag = ResponseFlag.CONNECT) -> None:
-        super().__init__(message)
+        super().__init__(message, flag)
         self.status = status
-        self.flag = flag
 
 
 def parse_authority(authority: str) -> tuple[IPAddress, int] | tuple[str, int]:
@@ -181,33 +182,6 @@ def is_destination_this_waypoint(pi: ProxyInputs, local: Workload, target: IPAdd
     return waypoint is not None and conn_dst in waypoint.workload_ips
 
 
-def services_of(state: ProxyState, workload: Workload) -> list[Service]:
-    """The services that select ``workload``, in its xDS order (upstream ``get_services_by_workload``)."""
-    found = (state.services.get(key) for key in workload.services)
-    return [svc for svc in found if svc is not None]
-
-
-def guess_inbound_service(
-    candidates: Sequence[Service], forwarded_host: str | None, port: int, dest: Workload
-) -> ServiceDescription | None:
-    """``destination_service`` of an inbound connection (upstream ``proxy.rs::guess_inbound_service``).
-
-    Only ``candidates`` (the services that select the destination, or the one a hostname authority named) can be
-    reported, so a peer cannot invent a label value: the one the ``forwarded`` host names, else the first whose
-    target port is ``port`` (the service's own number, or for a named port this endpoint's map), else None.
-    """
-    if forwarded_host is not None:
-        for svc in candidates:
-            if svc.hostname == forwarded_host:
-                return ServiceDescription.of(svc)
-    for svc in candidates:
-        ep = svc.endpoints.get(dest.uid)
-        for svc_port, target in svc.ports.items():
-            if target == port or (ep is not None and ep.port.get(svc_port) == port):
-                return ServiceDescription.of(svc)
-    return None
-
-
 def parse_forwarded_host(value: str) -> str | None:
     """The ``host=`` of a ``forwarded`` header, as upstream's ``parse_forwarded_host``: the first parameter written
     ``host=`` (exactly), its value without surrounding quotes; None if the header is not ASCII or the value empty."""
@@ -234,48 +208,21 @@ def _naddr(pi: ProxyInputs, ip: IPAddress) -> NetworkAddress:
     return NetworkAddress(pi.config.network, ip)
 
 
-class Inbound:
+class Inbound(Listener):
     """The 15008 listener of one proxy."""
 
     def __init__(self, pi: ProxyInputs, authorize: AuthorizeFn) -> None:
-        self.pi = pi
+        super().__init__(pi, pi.config.inbound_addr)
         self.authorize = authorize
-        self.servers: list[asyncio.Server] = []
-        self.transparent = False
         self.connections: set[HboneTransport] = set()
-        self.settings = Settings(
-            stream_window=pi.config.http2_stream_window_size,
-            connection_window=pi.config.http2_connection_window_size,
-            max_frame_size=pi.config.http2_frame_size,
-            max_concurrent_streams=200,
-            max_header_list_size=64 * 1024,
-        )
-
-    async def start(self) -> None:
-        cfg = self.pi.config
-        loop = asyncio.get_running_loop()
-        socks = self.pi.sockets.listeners(
-            cfg.inbound_addr, reuse_port=cfg.inpod_port_reuse, transparent=cfg.enable_orig_src, ipv6=cfg.ipv6_enabled
-        )
-        for sock, transparent in socks:
-            self.transparent = self.transparent or transparent
-            self.servers.append(await loop.create_server(self._new_connection, sock=sock))
-
-    @property
-    def address(self) -> tuple[str, int]:
-        host, port = self.servers[0].sockets[0].getsockname()[:2]
-        return str(host), int(port)
-
-    def stop(self) -> None:
-        for s in self.servers:
-            s.close()
+        self.settings = http2_settings(pi.config, client_side=False)
 
     def drain(self) -> None:
         """GOAWAY every connection: open streams finish, new ones go elsewhere."""
         for conn in list(self.connections):
             conn.goaway()
 
-    def _new_connection(self) -> HboneTransport:
+    def new_protocol(self) -> HboneTransport:
         conn = HboneTransport(
             HboneConnection(False, self.settings),
             None,
@@ -314,7 +261,7 @@ class Inbound:
             self._early_fail(
                 conn, f"TLS handshake: {e}", ResponseFlag.IDENTITY_ERROR if identity_error else ResponseFlag.TLS_FAILURE
             )
-            conn.abort(str(e))
+            conn.abort(CloseReason(CloseKind.PEER_REJECTED, str(e)))
             return
         conn.peer_identity = identity
 
@@ -338,12 +285,11 @@ class Inbound:
 
     def _closed(self, conn: HboneTransport) -> None:
         self.connections.discard(conn)
-        if not conn.handshake_done and conn.close_reason.startswith("TLS") and conn.peer is not None:
-            self._early_fail(conn, conn.close_reason, ResponseFlag.TLS_FAILURE)
+        reason = conn.close_reason
+        if not conn.handshake_done and reason is not None and reason.tls_failure and conn.peer is not None:
+            self._early_fail(conn, str(reason), ResponseFlag.TLS_FAILURE)
 
-    def _on_request(self, conn: HboneTransport, ev: ConnectRequested) -> None:
-        stream = HboneStream(conn, ev.stream_id)
-        conn.handlers[ev.stream_id] = stream
+    def _on_request(self, conn: HboneTransport, stream: HboneStream, ev: ConnectRequested) -> None:
         stream.setup = self.pi.tasks.spawn(self._serve(conn, stream, ev), "inbound stream")
 
     async def _serve(self, conn: HboneTransport, stream: HboneStream, ev: ConnectRequested) -> None:
@@ -379,7 +325,7 @@ class Inbound:
             if ip_workload is not None and record.src_workload is None and pi.config.verify_source_identity:
                 _check_source_identity(ip_workload, identity, src[0])
         except InboundRejected as e:
-            self._reject(conn, stream, ev, record, e)
+            self._reject(conn, stream, record, e)
             return
         record.rbac = Connection(src[0], src[1], req.upstream[0], req.upstream[1], identity, pi.config.network)
         # Tracked from before the policy check until it closes (upstream's assert_rbac registers first): a policy
@@ -392,7 +338,7 @@ class Inbound:
             _refuse_proxy_protocol_tunnel(req.local)
             upstream = await self._connect(record, req.upstream, src[0])
         except InboundRejected as e:
-            self._reject(conn, stream, ev, record, e)
+            self._reject(conn, stream, record, e)
             return
         except asyncio.CancelledError:
             # The peer reset the stream or lost the connection first (its setup task is cancelled), or shutdown.
@@ -413,10 +359,8 @@ class Inbound:
         headers: list[tuple[str, str]] = []
         if pi.config.enable_response_baggage:
             headers.append((BAGGAGE_HEADER, baggage.workload_baggage(req.local)))
-        conn.core.send_response(ev.stream_id, 200, headers)
-        conn.flush()
-        stream._on_done = lambda s: pi.connections.release(record, ResponseFlag.NONE, s.error)
-        stream.attach(upstream)
+        conn.respond(stream, 200, headers)
+        stream.attach(upstream, on_done=lambda s: pi.connections.release(record, ResponseFlag.NONE, s.error))
 
     async def _connect(
         self, record: ConnectionRecord, dst: tuple[IPAddress, int], client_ip: IPAddress
@@ -424,9 +368,9 @@ class Inbound:
         """Connect to the app (503 if it fails); a policy that denies the stream meanwhile makes it a 401."""
         spoof = client_ip if self.transparent and client_ip != dst[0] else None
         try:
-            upstream = await connect_interruptible(self.pi, record, dst, spoof, self.transparent)
+            upstream = await connect_interruptible(self.pi.sockets, record, dst, spoof, self.transparent)
         except ProxyError as e:
-            raise InboundRejected(503, str(e)) from None
+            raise InboundRejected(503, str(e), e.flag) from None
         if upstream is None:
             flag, reason = record.forced or (ResponseFlag.CONNECT, INTERRUPTED)
             raise InboundRejected(401 if flag is ResponseFlag.DENY else 503, reason, flag)
@@ -442,58 +386,13 @@ class Inbound:
         if not isinstance(host, str) and host != conn_dst:
             await self.pi.fetch_address(_naddr(self.pi, host))
 
-    def _reject(
-        self,
-        conn: HboneTransport,
-        stream: HboneStream,
-        ev: ConnectRequested,
-        record: ConnectionRecord,
-        e: InboundRejected,
-    ) -> None:
+    def _reject(self, conn: HboneTransport, stream: HboneStream, record: ConnectionRecord, e: InboundRejected) -> None:
         """Answer ``e.status`` and end the stream; the access log and metrics report it (never established)."""
-        if not stream.done and not conn.closed:
-            conn.core.send_response(ev.stream_id, e.status, end_stream=True)
-            conn.detach(ev.stream_id)
-            conn.flush()
+        conn.reject(stream, e.status)
         pi = self.pi
         if not record.id:
             pi.connections.register(record, established=False)
         pi.connections.release(record, e.flag, str(e))
-
-
-async def connect_interruptible(
-    pi: ProxyInputs,
-    record: ConnectionRecord,
-    dst: tuple[IPAddress, int],
-    bind_src: IPAddress | None,
-    transparent: bool,
-) -> PlainConnection | None:
-    """``connect_plain`` for a connection already tracked (``record``), which the connection manager can interrupt
-    through ``record.closer`` (a policy change that denies it, a forced drain): then None, with the half-open socket
-    closed, and ``record.forced`` says why. Raises ProxyError when the connect fails."""
-    upstream: PlainConnection | None = None
-    try:
-        async with asyncio.timeout(None) as held:
-            record.closer = _interrupter(held)
-            upstream = await connect_plain(pi, dst, bind_src=bind_src, transparent=transparent)
-    except TimeoutError:
-        pass  # our interruption (connect_plain reports its own timeout as a ProxyError); it closed its socket
-    finally:
-        record.closer = None
-    if record.forced is not None and upstream is not None:
-        upstream.close()  # interrupted just as the connect completed
-        return None
-    return upstream
-
-
-def _interrupter(held: asyncio.Timeout) -> Callable[[str], None]:
-    """A ``closer`` for a connection still connecting: ends the ``held`` block at once, as a timeout."""
-
-    def interrupt(reason: str) -> None:
-        if not held.expired():
-            held.reschedule(0)  # in the past: fires on the next loop iteration
-
-    return interrupt
 
 
 def _check_source_identity(source: Workload, identity: Identity | None, ip: IPAddress) -> None:

@@ -13,9 +13,11 @@ import asyncio
 import logging
 import socket
 
-from ztunnel.proxy.common import ProxyError, ProxyInputs, ResponseFlag
-from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
-from ztunnel.proxy.inbound import INTERRUPTED, AuthorizeFn, connect_interruptible, guess_inbound_service, services_of
+from ztunnel.proxy.common import ProxyError, ResponseFlag, guess_inbound_service, services_of
+from ztunnel.proxy.connect import INTERRUPTED, connect_interruptible
+from ztunnel.proxy.connection_manager import AuthorizeFn, ConnectionRecord, Direction, log_failed
+from ztunnel.proxy.inputs import ProxyInputs
+from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.rbac import Connection
 from ztunnel.sockets import local_dst, original_dst, peer_addr, set_accepted_options
@@ -24,36 +26,15 @@ from ztunnel.state.workload import IPAddress, NetworkAddress
 log = logging.getLogger("ztunnel.proxy.inbound_passthrough")
 
 
-class InboundPassthrough:
+class InboundPassthrough(Listener):
     """The 15006 listener of one proxy."""
 
     def __init__(self, pi: ProxyInputs, authorize: AuthorizeFn) -> None:
-        self.pi = pi
+        super().__init__(pi, pi.config.inbound_plaintext_addr)
         self.authorize = authorize
-        self.servers: list[asyncio.Server] = []
-        self.transparent = False
 
-    async def start(self) -> None:
-        cfg = self.pi.config
-        loop = asyncio.get_running_loop()
-        socks = self.pi.sockets.listeners(
-            cfg.inbound_plaintext_addr,
-            reuse_port=cfg.inpod_port_reuse,
-            transparent=cfg.enable_orig_src,
-            ipv6=cfg.ipv6_enabled,
-        )
-        for sock, transparent in socks:
-            self.transparent = self.transparent or transparent
-            self.servers.append(await loop.create_server(lambda: PlainConnection(self._accepted), sock=sock))
-
-    @property
-    def address(self) -> tuple[str, int]:
-        host, port = self.servers[0].sockets[0].getsockname()[:2]
-        return str(host), int(port)
-
-    def stop(self) -> None:
-        for s in self.servers:
-            s.close()
+    def new_protocol(self) -> PlainConnection:
+        return PlainConnection(self._accepted)
 
     def _accepted(self, plain: PlainConnection) -> None:
         assert plain.transport is not None
@@ -95,10 +76,10 @@ class InboundPassthrough:
             return
         spoof = src[0] if self.transparent and src[0] != dst[0] else None
         try:
-            upstream = await connect_interruptible(pi, record, dst, spoof, self.transparent)
+            upstream = await connect_interruptible(pi.sockets, record, dst, spoof, self.transparent)
         except ProxyError as e:
             plain.close()
-            pi.connections.release(record, ResponseFlag.CONNECT, str(e))
+            pi.connections.release(record, e.flag, str(e))
             return
         except asyncio.CancelledError:
             plain.close()

@@ -13,7 +13,9 @@ both reporters.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from ztunnel.baggage import Baggage
 from ztunnel.identity.spiffe import Identity
@@ -264,15 +266,26 @@ class TrafficMetrics:
         self.sockets_open.child((("reporter", labels[0][1]),)).value -= 1
 
 
-async def flush_periodically(manager: object, metrics: TrafficMetrics, interval: float | None = None) -> None:
-    """Add the bytes of long-lived connections to the counters every ``interval`` seconds (``FLUSH_INTERVAL``, read
-    when the flusher starts, so tests can shorten it)."""
-    from ztunnel.proxy.connection_manager import ConnectionManager
+class MeteredConnection(Protocol):
+    """What the flusher reads of a tracked connection (a ``ConnectionRecord``)."""
 
-    assert isinstance(manager, ConnectionManager)
+    @property
+    def metrics(self) -> ConnectionMetrics | None: ...
+    @property
+    def bytes_sent(self) -> Callable[[], int]: ...
+    @property
+    def bytes_recv(self) -> Callable[[], int]: ...
+
+
+async def flush_periodically(
+    connections: Callable[[], Iterable[MeteredConnection]], metrics: TrafficMetrics, interval: float | None = None
+) -> None:
+    """Add the bytes of long-lived connections to the counters every ``interval`` seconds (``FLUSH_INTERVAL``, read
+    when the flusher starts, so tests can shorten it). ``connections`` is asked afresh each time: the open
+    connections of every proxy of the process (one in dedicated mode, one per pod in-pod)."""
     period = FLUSH_INTERVAL if interval is None else interval
     while True:
         await asyncio.sleep(period)
-        for record in manager:
+        for record in connections():
             if record.metrics is not None:
                 metrics.flush(record.metrics, record.bytes_sent(), record.bytes_recv())

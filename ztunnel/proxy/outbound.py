@@ -25,38 +25,33 @@ import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from ipaddress import ip_address
 
 from ztunnel import baggage
 from ztunnel.identity.spiffe import Identity
 from ztunnel.net import format_addr
 from ztunnel.proxy.common import (
     BAGGAGE_HEADER,
-    CONNECTION_TIMEOUT,
     FORWARDED_HEADER,
     TRACEPARENT_HEADER,
+    HttpStatusError,
     ProxyError,
-    ProxyInputs,
     ResponseFlag,
     forwarded_header,
+    is_timeout,
     new_traceparent,
-    os_error_reason,
 )
+from ztunnel.proxy.connect import connect_plain
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
+from ztunnel.proxy.inputs import ProxyInputs
+from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.metrics import DerivedWorkload
 from ztunnel.proxy.pool import WorkloadKey
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.sockets import (
-    connect,
-    family_of,
     local_dst,
     original_dst,
     peer_addr,
     set_accepted_options,
-    set_bind_no_port,
-    set_freebind,
-    set_transparent,
-    sockaddr,
 )
 from ztunnel.state import ProxyState
 from ztunnel.state.service import LoadBalancerMode
@@ -202,32 +197,15 @@ def hbone_headers(req: Request, src: tuple[IPAddress, int]) -> list[tuple[str, s
     ]
 
 
-class Outbound:
+class Outbound(Listener):
     """The 15001 listener of one proxy."""
 
     def __init__(self, pi: ProxyInputs) -> None:
-        self.pi = pi
-        self.servers: list[asyncio.Server] = []
+        super().__init__(pi, pi.config.outbound_addr)
         self.hbone_port = 15008
 
-    async def start(self) -> None:
-        cfg = self.pi.config
-        loop = asyncio.get_running_loop()
-        socks = self.pi.sockets.listeners(
-            cfg.outbound_addr, reuse_port=cfg.inpod_port_reuse, transparent=cfg.enable_orig_src, ipv6=cfg.ipv6_enabled
-        )
-        # Whether IP_TRANSPARENT took matters only to the inbound listeners (they spoof); outbound never does.
-        for sock, _ in socks:
-            self.servers.append(await loop.create_server(lambda: PlainConnection(self._accepted), sock=sock))
-
-    @property
-    def address(self) -> tuple[str, int]:
-        host, port = self.servers[0].sockets[0].getsockname()[:2]
-        return str(host), int(port)
-
-    def stop(self) -> None:
-        for s in self.servers:
-            s.close()
+    def new_protocol(self) -> PlainConnection:
+        return PlainConnection(self._accepted)
 
     def _accepted(self, plain: PlainConnection) -> None:
         assert plain.transport is not None
@@ -283,7 +261,7 @@ class Outbound:
         except ProxyError as e:
             self._fail(plain, src, dst, record, e, ready)
         except (OSError, ConnectionError) as e:
-            self._fail(plain, src, dst, record, ProxyError(str(e)), ready)
+            self._fail(plain, src, dst, record, ProxyError(str(e), timed_out=is_timeout(e)), ready)
 
     def _fail(
         self,
@@ -319,12 +297,11 @@ class Outbound:
         try:
             status, _headers = await stream.response
         except ConnectionError as e:
-            raise ProxyError(f"HBONE stream failed: {e}") from None
+            lost = stream.lost
+            raise ProxyError(f"HBONE stream failed: {e}", timed_out=lost is not None and lost.timed_out) from None
         if status != 200:
             stream.reset()
-            # Any refusal, 401 included, is a connection failure at the source (upstream's HttpStatus error): only
-            # the destination knows a policy denied it and reports DENY.
-            raise ProxyError(f"http status: {status} {_reason(status)}", ResponseFlag.CONNECT)
+            raise HttpStatusError(status)
         if plain.closed:
             stream.reset()
             raise ProxyError("client closed the connection before the tunnel was established")
@@ -332,10 +309,9 @@ class Outbound:
         record.bytes_recv = lambda: stream.bytes_from_plain
         record.closer = lambda reason: stream.reset()
         pi.connections.register(record)
-        stream._on_done = lambda s: pi.connections.release(record, ResponseFlag.NONE, s.error)
         if ready is not None:
             ready(None)
-        stream.attach(plain)
+        stream.attach(plain, on_done=lambda s: pi.connections.release(record, ResponseFlag.NONE, s.error))
 
     async def _tcp(
         self,
@@ -345,7 +321,7 @@ class Outbound:
         ready: Callable[[ProxyError | None], None] | None,
     ) -> None:
         pi = self.pi
-        upstream = await connect_plain(pi, req.actual_destination)
+        upstream = await connect_plain(pi.sockets, req.actual_destination)
         record.bytes_sent = lambda: upstream.bytes_read
         record.bytes_recv = lambda: upstream.bytes_written
         relay = PlainRelay(
@@ -356,43 +332,6 @@ class Outbound:
         if ready is not None:
             ready(None)
         relay.start()
-
-
-async def connect_plain(
-    pi: ProxyInputs, dst: tuple[IPAddress, int], bind_src: IPAddress | None = None, transparent: bool = False
-) -> PlainConnection:
-    """A plaintext TCP connection to ``dst`` (10 s timeout), optionally from a spoofed source IP."""
-    loop = asyncio.get_running_loop()
-    try:
-        sock = pi.sockets.tcp(family_of(dst[0]), bind_source=bind_src is None)
-    except OSError as e:  # EMFILE above all: a clear failure for this connection, not a crashed task
-        raise ProxyError(f"failed to connect to {format_addr(*dst)}: {e.strerror or e}") from None
-    try:
-        if bind_src is not None:
-            if transparent and set_transparent(sock):
-                # Spoof the client's address toward the app, so it sees who really called (IP_TRANSPARENT).
-                set_freebind(sock)
-                set_bind_no_port(sock)
-                sock.bind(sockaddr(bind_src, 0))
-            elif (
-                pi.sockets.cfg.source_ip is not None and family_of(ip_address(pi.sockets.cfg.source_ip)) == sock.family
-            ):
-                set_bind_no_port(sock)
-                sock.bind((pi.sockets.cfg.source_ip, 0))
-        async with asyncio.timeout(CONNECTION_TIMEOUT):
-            await connect(sock, sockaddr(*dst))
-        upstream = PlainConnection()
-        await loop.create_connection(lambda: upstream, sock=sock)
-    except TimeoutError:
-        sock.close()
-        raise ProxyError(f"connection to {format_addr(*dst)} timed out") from None
-    except OSError as e:
-        sock.close()
-        raise ProxyError(f"failed to connect to {format_addr(*dst)}: {os_error_reason(e)}") from None
-    except asyncio.CancelledError:
-        sock.close()  # the stream this was for went away first
-        raise
-    return upstream
 
 
 async def _resolve(req: Request) -> Request:
@@ -421,11 +360,4 @@ async def _resolve(req: Request) -> Request:
     )
 
 
-_REASONS = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 503: "Service Unavailable"}
-
-
-def _reason(status: int) -> str:
-    return _REASONS.get(status, "")
-
-
-__all__ = ["Outbound", "OutboundProtocol", "Request", "build_request", "connect_plain", "hbone_headers"]
+__all__ = ["Outbound", "OutboundProtocol", "Request", "build_request", "hbone_headers"]

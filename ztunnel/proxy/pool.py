@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ztunnel import tls
 from ztunnel.config import Config
-from ztunnel.identity.manager import CertificateProvider
+from ztunnel.identity.manager import CertificateProvider, CertificateUnavailable
 from ztunnel.identity.spiffe import Identity
 from ztunnel.net import format_addr
 from ztunnel.proxy.common import (
@@ -28,11 +28,13 @@ from ztunnel.proxy.common import (
     ProxyError,
     ResponseFlag,
     TlsContextCache,
+    is_timeout,
     os_error_reason,
 )
-from ztunnel.proxy.hbone.connection import HboneTransport
-from ztunnel.proxy.hbone.core import HboneConnection, Settings
-from ztunnel.proxy.relay import HboneStream
+from ztunnel.proxy.hbone.connection import HboneTransport, http2_settings
+from ztunnel.proxy.hbone.core import HboneConnection
+from ztunnel.proxy.hbone.reason import CloseKind, CloseReason
+from ztunnel.proxy.hbone.stream import HboneStream
 from ztunnel.sockets import SocketFactory, connect, family_of, sockaddr
 from ztunnel.state.workload import IPAddress
 
@@ -62,12 +64,7 @@ class WorkloadHBONEPool:
     ) -> None:
         self.max_streams = config.pool_max_streams_per_connection
         self.idle_timeout = config.pool_unused_release_timeout
-        self.settings = Settings(
-            stream_window=config.http2_stream_window_size,
-            connection_window=config.http2_connection_window_size,
-            max_frame_size=config.http2_frame_size,
-            max_header_list_size=16 * 1024,
-        )
+        self.settings = http2_settings(config, client_side=True)
         self._certs = certs
         self._sockets = sockets
         self._contexts = contexts
@@ -97,8 +94,8 @@ class WorkloadHBONEPool:
         return (
             not conn.closed
             and not conn.draining
-            and conn.core.goaway_received is None
-            and len(conn.handlers) < self._capacity(conn)
+            and not conn.goaway_received
+            and conn.stream_count < self._capacity(conn)
         )
 
     def _find(self, key: WorkloadKey) -> HboneTransport | None:
@@ -117,7 +114,7 @@ class WorkloadHBONEPool:
         while True:
             conn = self._find(key)
             if conn is not None:
-                return self._start_stream(conn, authority, headers)
+                return conn.open_stream(authority, headers)
             pending = self._dialing.get(key)
             if pending is not None:
                 # Someone is already dialling this key: share that handshake.
@@ -137,16 +134,7 @@ class WorkloadHBONEPool:
             self._conns.setdefault(key, []).append(conn)
             fut.set_result(conn)
             self._schedule_reaper()
-            return self._start_stream(conn, authority, headers)
-
-    def _start_stream(self, conn: HboneTransport, authority: str, headers: list[tuple[str, str]]) -> HboneStream:
-        stream_id = conn.core.send_connect(authority, headers)
-        stream = HboneStream(conn, stream_id)
-        stream.response = asyncio.get_running_loop().create_future()
-        conn.handlers[stream_id] = stream
-        conn.last_active = time.monotonic()
-        conn.flush()
-        return stream
+            return conn.open_stream(authority, headers)
 
     async def _dial(self, key: WorkloadKey) -> HboneTransport:
         loop = asyncio.get_running_loop()
@@ -154,8 +142,8 @@ class WorkloadHBONEPool:
             cert = await self._certs.fetch_certificate(key.src_id)
         except Exception as e:
             # No certificate (CA down, renewal failed, expired): fail this connection with the reason, as upstream.
-            reason = str(e) if str(e).startswith("no certificate") else f"no certificate for {key.src_id}: {e}"
-            raise ProxyError(reason) from None
+            why = e.reason if isinstance(e, CertificateUnavailable) else e
+            raise ProxyError(f"no certificate for {key.src_id}: {why}") from None
         ctx = self._contexts.client(key.src_id, cert)
         ip, port = key.dst
         sock = self._sockets.tcp(family_of(ip))
@@ -167,10 +155,13 @@ class WorkloadHBONEPool:
             raise ProxyError(
                 f"connection to {format_addr(ip, port)} timed out, maybe a NetworkPolicy is blocking HBONE port {port}",
                 ResponseFlag.NETWORK_POLICY,
+                timed_out=True,
             ) from None
         except OSError as e:
             sock.close()
-            raise ProxyError(f"failed to connect to {format_addr(ip, port)}: {os_error_reason(e)}") from None
+            raise ProxyError(
+                f"failed to connect to {format_addr(ip, port)}: {os_error_reason(e)}", timed_out=is_timeout(e)
+            ) from None
         done: asyncio.Future[HboneTransport] = loop.create_future()
 
         def on_handshake(t: HboneTransport) -> None:
@@ -185,15 +176,17 @@ class WorkloadHBONEPool:
                         ResponseFlag.TLS_FAILURE if isinstance(e, tls.HandshakeFailed) else ResponseFlag.IDENTITY_ERROR
                     )
                     done.set_exception(ProxyError(f"TLS to {format_addr(ip, port)}: {e}", flag))
-                t.abort(str(e))
+                t.abort(CloseReason(CloseKind.PEER_REJECTED, str(e)))
                 return
             if not done.done():
                 done.set_result(t)
 
         def on_closed(t: HboneTransport) -> None:
-            if not done.done():
-                flag = ResponseFlag.TLS_FAILURE if "TLS" in t.close_reason else ResponseFlag.CONNECT
-                done.set_exception(ProxyError(f"HBONE connection to {format_addr(ip, port)}: {t.close_reason}", flag))
+            reason = t.close_reason
+            if not done.done() and reason is not None:
+                flag = ResponseFlag.TLS_FAILURE if reason.tls_failure else ResponseFlag.CONNECT
+                message = f"HBONE connection to {format_addr(ip, port)}: {reason}"
+                done.set_exception(ProxyError(message, flag, timed_out=reason.timed_out))
             self._remove(key, t)
 
         try:
@@ -205,7 +198,7 @@ class WorkloadHBONEPool:
             )
         except OSError as e:
             sock.close()
-            raise ProxyError(f"failed to connect to {format_addr(ip, port)}: {e}") from None
+            raise ProxyError(f"failed to connect to {format_addr(ip, port)}: {e}", timed_out=is_timeout(e)) from None
         conn = await done
         self.dials += 1
         log.debug("new HBONE connection for %s", key)
@@ -232,7 +225,7 @@ class WorkloadHBONEPool:
             for conn in list(conns):
                 if conn.closed:
                     self._remove(key, conn)
-                elif not conn.handlers and now - conn.last_active >= self.idle_timeout:
+                elif not conn.stream_count and now - conn.last_active >= self.idle_timeout:
                     log.debug("closing idle HBONE connection for %s", key)
                     self._remove(key, conn)
                     conn.goaway()

@@ -1,19 +1,19 @@
-"""The relay: bidirectional copy between a plaintext socket and an HBONE stream, or two plaintext sockets.
+"""The relay: plaintext sockets read into buffers an HBONE stream can frame in place, and two plaintext sockets
+relayed to each other.
 
-Upstream's ``copy.rs``, shaped for asyncio:
+Upstream's ``copy.rs``, shaped for asyncio (the HBONE side of a tunnel is ``hbone.stream``, which implements
+:class:`PlainPeer`, as upstream's ``h2.rs`` implements ``copy.rs``'s traits):
 
 * Plaintext sockets are read with ``BufferedProtocol`` into a buffer whose first 9 bytes are kept free, so the
   HBONE side can write the HTTP/2 DATA header in place and hand header + payload to TLS as one write (no copy).
   Buffers start at 1 KiB and double whenever a read fills them, up to 256 KiB: idle tunnels stay small, bulk
   transfers reach large reads within a few calls (growing only on full reads avoids istio/ztunnel#1630's growth
   on connections that never needed it).
-* Backpressure at every hop: when the HBONE send window is closed, or the TLS connection's socket buffer is above
-  its high-water mark, the plaintext socket stops being read; when a plaintext socket's write buffer fills, its
-  HBONE stream stops releasing flow-control window (so the peer stops at the 4 MiB stream window) or its plaintext
-  peer stops being read. Memory per tunnel is bounded whatever the speeds.
-* Half-close is carried end to end: FIN -> END_STREAM -> FIN, in each direction independently. A TCP reset becomes
-  RST_STREAM(CONNECT_ERROR) and an RST_STREAM other than NO_ERROR/CANCEL becomes a TCP reset (RFC 9113 §8.5); upstream
-  reads NO_ERROR and CANCEL as EOF.
+* Backpressure at every hop: a peer that cannot take more bytes leaves them in the buffer and the socket stops
+  being read until it can; when a plaintext socket's write buffer fills, its peer is told (``plain_write_paused``)
+  and stops feeding it. Memory per tunnel is bounded whatever the speeds.
+* Half-close is carried end to end (FIN in, FIN out, in each direction independently); a TCP reset is passed on
+  as a reset.
 * Byte counts are plain ints on the objects; metrics read them at close (no per-chunk label lookups or logging).
 
 A view handed to ``transport.write`` may be kept by the transport when the socket cannot take it all; the writer
@@ -29,10 +29,8 @@ import struct
 from collections.abc import Callable
 from typing import Protocol, cast
 
-from ztunnel.proxy.hbone.connection import HboneTransport
-from ztunnel.proxy.hbone.core import FRAME_HEADER_SIZE, ErrorCode
-
-HDR = FRAME_HEADER_SIZE
+# Bytes kept free before every payload read: room for the 9-byte header of an HTTP/2 DATA frame (RFC 9113 §4.1).
+HDR = 9
 _INITIAL_BUFFER = 1024
 _MAX_BUFFER = 256 * 1024
 # A read buffer exists only between a read and the moment its bytes are passed on: an idle socket holds none (10,000
@@ -242,207 +240,13 @@ class PlainConnection(asyncio.BufferedProtocol):
         transport.abort()
 
 
-class HboneStream:
-    """A tunnel: one HBONE stream relayed to one plaintext socket. Client (outbound) or server (inbound) role."""
-
-    def __init__(
-        self,
-        conn: HboneTransport,
-        stream_id: int,
-        on_done: Callable[[HboneStream], None] | None = None,
-    ) -> None:
-        self.conn = conn
-        self.stream_id = stream_id
-        self.plain: PlainConnection | None = None
-        self._on_done = on_done
-        self.response: asyncio.Future[tuple[int, dict[str, str]]] | None = None
-        self.remote_ended = False  # END_STREAM received (and passed on as FIN)
-        self.local_ended = False  # END_STREAM sent
-        self.reset_code: int | None = None
-        self.error: str | None = None
-        self.done = False
-        self.bytes_to_plain = 0
-        self.bytes_from_plain = 0
-        self._held = 0  # received while the plaintext socket could not take more: window not yet released
-        self._early: list[bytes] = []  # data that arrived before a plaintext socket was attached
-        # Server role: the task authorizing and connecting this stream. A peer that resets the stream first (or
-        # loses the connection) cancels it, so a rapid-reset loop costs no backend connections.
-        self.setup: asyncio.Task[None] | None = None
-
-    # -- setup -------------------------------------------------------------------------------------------------
-
-    def attach(self, plain: PlainConnection) -> None:
-        self.plain = plain
-        for chunk in self._early:
-            self._to_plain(memoryview(chunk), len(chunk))
-        self._early.clear()
-        if self.remote_ended:
-            plain.write_eof()
-        if self.conn.write_paused:
-            plain.pause_reading()
-        plain.attach(self)
-        self._maybe_done()
-
-    # -- HBONE -> plaintext ------------------------------------------------------------------------------------
-
-    def on_response(self, status: int, headers: dict[str, str]) -> None:
-        if self.response is not None and not self.response.done():
-            self.response.set_result((status, headers))
-
-    def on_data(self, data: memoryview, flow_controlled_length: int) -> None:
-        if self.plain is None:
-            self._early.append(bytes(data))  # rare: bytes before the 200 was handled; bounded by the window
-            self._held += flow_controlled_length
-            return
-        self._to_plain(data, flow_controlled_length)
-
-    def _to_plain(self, data: memoryview, flow_controlled_length: int) -> None:
-        plain = self.plain
-        assert plain is not None
-        self.bytes_to_plain += len(data)
-        if plain.write(data):
-            self.conn.core.pin()
-        if plain.write_paused:
-            self._held += flow_controlled_length
-        else:
-            self.conn.core.ack_data(self.stream_id, flow_controlled_length + self._held)
-            self._held = 0
-
-    def plain_write_paused(self, plain: PlainConnection, paused: bool) -> None:
-        if not paused and self._held:
-            self.conn.core.ack_data(self.stream_id, self._held)
-            self._held = 0
-            self.conn.core.flush_acks(self.stream_id)
-            self.conn.flush()
-
-    def on_end(self) -> None:
-        self.remote_ended = True
-        if self.plain is not None:
-            self.plain.write_eof()
-        self._maybe_done()
-
-    def on_reset(self, error_code: int) -> None:
-        self.reset_code = error_code
-        if error_code in (ErrorCode.NO_ERROR, ErrorCode.CANCEL):
-            # Upstream reads these as EOF; the stream is gone, so our side is finished too.
-            self.remote_ended = True
-            self.local_ended = True
-            if self.plain is not None:
-                self.plain.write_eof()
-                if self.plain.eof_received_:
-                    self.plain.close()
-        else:
-            self.error = f"stream reset by peer (HTTP/2 error {error_code})"
-            if self.plain is not None:
-                self.plain.reset()
-        if self.response is not None and not self.response.done():
-            self.response.set_exception(ConnectionResetError(f"stream reset before response (code {error_code})"))
-        self._finish()
-
-    def on_window(self) -> None:
-        if self.plain is not None and self.plain.start != self.plain.end:
-            self.plain.push()
-
-    def on_write_paused(self, paused: bool) -> None:
-        if self.plain is not None:
-            if paused:
-                self.plain.pause_reading()
-            else:
-                self.plain.resume_reading()
-
-    def on_connection_lost(self, reason: str) -> None:
-        if self.done:
-            return
-        self.error = f"HBONE connection lost: {reason}"
-        if self.response is not None and not self.response.done():
-            self.response.set_exception(ConnectionResetError(self.error))
-        if self.plain is not None:
-            self.plain.reset()
-        self._finish()
-
-    # -- plaintext -> HBONE ------------------------------------------------------------------------------------
-
-    def send_from_plain(self, plain: PlainConnection, offset: int, length: int) -> int:
-        core = self.conn.core
-        conn = self.conn
-        if conn.closed:
-            return 0
-        sent = 0
-        view = plain.view
-        while sent < length:
-            # Each DATA header goes in the 9 bytes before its payload: bytes already encrypted, so free to reuse.
-            n = core.frame_data(self.stream_id, plain.buf, offset + sent, length - sent)
-            if n == 0:
-                break
-            start = offset + sent - HDR
-            conn.write_frame(view[start : offset + sent + n])
-            sent += n
-        self.bytes_from_plain += sent
-        return sent
-
-    def plain_eof(self, plain: PlainConnection) -> None:
-        if not self.local_ended:
-            self.local_ended = True
-            self.conn.core.end_stream(self.stream_id)
-            self.conn.flush()
-        self._maybe_done()
-
-    def plain_lost(self, plain: PlainConnection, exc: Exception | None) -> None:
-        if self.done:
-            return
-        if exc is not None:
-            # The app's connection broke (reset): carry it as a reset, as RFC 9113 §8.5 asks of a CONNECT proxy.
-            self.error = f"connection reset: {exc}"
-            self.conn.core.reset_stream(self.stream_id, ErrorCode.CONNECT_ERROR)
-            self.conn.flush()
-            self._finish()
-            return
-        if not self.local_ended:
-            self.local_ended = True
-            self.conn.core.end_stream(self.stream_id)
-            self.conn.flush()
-        if not self.remote_ended:
-            # The socket is fully closed, so nothing more can be delivered: stop the stream.
-            self.conn.core.reset_stream(self.stream_id, ErrorCode.CANCEL)
-            self.conn.flush()
-        self._finish()
-
-    # -- lifecycle ---------------------------------------------------------------------------------------------
-
-    def reset(self, code: ErrorCode = ErrorCode.CONNECT_ERROR) -> None:
-        """Abort the tunnel: RST_STREAM to the peer and a TCP reset to the plaintext side."""
-        if self.done:
-            return
-        self.conn.core.reset_stream(self.stream_id, code)
-        self.conn.flush()
-        if self.plain is not None:
-            self.plain.reset()
-        self._finish()
-
-    def _maybe_done(self) -> None:
-        plain = self.plain
-        if self.remote_ended and self.local_ended and plain is not None and plain.eof_written:
-            plain.close()
-            self._finish()
-
-    def _finish(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        if self.setup is not None and self.plain is None:
-            self.setup.cancel()
-        if self._on_done is not None:
-            self._on_done(self)
-        self.conn.detach(self.stream_id)
-
-
 class PlainRelay:
     """Two plaintext sockets relayed to each other (TCP passthrough, inbound plaintext)."""
 
     def __init__(self, a: PlainConnection, b: PlainConnection, on_done: Callable[[PlainRelay], None] | None = None):
         self.a = a
         self.b = b
-        self._on_done = on_done
+        self._when_done = on_done
         self.done = False
         self.error: str | None = None
 
@@ -497,5 +301,5 @@ class PlainRelay:
     def _finish(self) -> None:
         if not self.done:
             self.done = True
-            if self._on_done is not None:
-                self._on_done(self)
+            if self._when_done is not None:
+                self._when_done(self)

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from typing import cast
 
 from ztunnel.net import format_addr
-from ztunnel.proxy.common import ProxyError, ProxyInputs, ResponseFlag
+from ztunnel.proxy.common import HttpStatusError, ProxyError, ResponseFlag
 from ztunnel.proxy.connection_manager import Direction, log_failed
+from ztunnel.proxy.inputs import ProxyInputs
+from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.relay import PlainConnection
 from ztunnel.sockets import peer_addr, set_accepted_options
 from ztunnel.state.workload import IPAddress, canonical_ip
@@ -189,10 +191,12 @@ async def system_resolve(name: str) -> list[IPAddress]:
     return [canonical_ip(ipaddress.ip_address(i[4][0])) for i in infos]
 
 
-def _reply_for(error: ProxyError) -> Reply:
-    if error.flag is ResponseFlag.DENY or "401" in str(error):
+def reply_for(error: ProxyError) -> Reply:
+    """The reply for a failed CONNECT, from what the error is: denied by policy (a 401 from the destination, or
+    DENY here) is ``02``, a destination that did not answer in time ``04``, anything else ``05``."""
+    if error.flag is ResponseFlag.DENY or (isinstance(error, HttpStatusError) and error.status == 401):
         return Reply.NOT_ALLOWED
-    if "timed out" in str(error):
+    if error.timed_out:
         return Reply.HOST_UNREACHABLE
     return Reply.CONNECTION_REFUSED
 
@@ -254,30 +258,16 @@ class _Handshake(asyncio.Protocol):
         pass
 
 
-class Socks5:
+class Socks5(Listener):
     """The SOCKS5 listener (``127.0.0.1:15080``) feeding the outbound path."""
 
     def __init__(self, pi: ProxyInputs, proxy_to: ProxyTo, resolve: Resolver = system_resolve) -> None:
-        self.pi = pi
+        super().__init__(pi, pi.config.socks5_addr, captured=False)
         self.proxy_to = proxy_to
         self.resolve = resolve
-        self.servers: list[asyncio.Server] = []
 
-    async def start(self) -> None:
-        addr = self.pi.config.socks5_addr
-        assert addr is not None
-        loop = asyncio.get_running_loop()
-        for sock, _ in self.pi.sockets.listeners(addr, ipv6=self.pi.config.ipv6_enabled):
-            self.servers.append(await loop.create_server(lambda: _Handshake(self), sock=sock))
-
-    @property
-    def address(self) -> tuple[str, int]:
-        host, port = self.servers[0].sockets[0].getsockname()[:2]
-        return str(host), int(port)
-
-    def stop(self) -> None:
-        for s in self.servers:
-            s.close()
+    def new_protocol(self) -> _Handshake:
+        return _Handshake(self)
 
     async def connect(
         self, plain: PlainConnection, src: tuple[IPAddress, int], ev: ConnectRequested, method_reply: bytes = b""
@@ -304,7 +294,7 @@ class Socks5:
         def ready(error: ProxyError | None) -> None:
             if transport.is_closing():
                 return
-            transport.write(method_reply + (reply(Reply.SUCCEEDED) if error is None else reply(_reply_for(error))))
+            transport.write(method_reply + (reply(Reply.SUCCEEDED) if error is None else reply(reply_for(error))))
 
         if log.isEnabledFor(logging.DEBUG):
             log.debug("SOCKS5 %s -> %s", format_addr(*src), format_addr(*dst))

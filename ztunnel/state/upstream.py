@@ -11,6 +11,7 @@ import logging
 import random
 from dataclasses import dataclass
 
+from ztunnel.errors import ZtunnelError
 from ztunnel.identity.spiffe import Identity
 from ztunnel.state import ProxyState
 from ztunnel.state.service import Endpoint, IpFamily, LoadBalancerMode, LoadBalancerScope, Service
@@ -32,7 +33,7 @@ class ResolutionMode(enum.Enum):
     WAYPOINT = "waypoint"
 
 
-class UpstreamError(Exception):
+class UpstreamError(ZtunnelError):
     """No way to reach the destination; the message says why (for the access log)."""
 
 

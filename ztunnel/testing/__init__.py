@@ -365,7 +365,7 @@ def hbone_transport(client_side: bool, ctx: ssl.SSLContext, done: asyncio.Future
 
     def closed(t: HboneTransport) -> None:
         if not done.done():
-            done.set_exception(ConnectionError(t.close_reason))
+            done.set_exception(ConnectionError(str(t.close_reason)))
 
     return HboneTransport(HboneConnection(client_side), ctx, on_handshake=handshake, on_closed=closed)
 
@@ -396,7 +396,7 @@ async def hbone_dial(
     if settle:
         await asyncio.sleep(settle)
         if conn.closed:
-            raise ConnectionError(conn.close_reason)
+            raise ConnectionError(str(conn.close_reason))
     return conn
 
 
@@ -405,14 +405,10 @@ async def hbone_request(
 ) -> tuple[int, object]:
     """Send one request on a raw HBONE connection; returns (status, stream)."""
     from ztunnel.proxy.hbone.connection import HboneTransport
-    from ztunnel.proxy.relay import HboneStream
 
     assert isinstance(conn, HboneTransport)
-    stream_id = conn.core.send_connect(authority, headers or [], method=method)
-    stream = HboneStream(conn, stream_id)
-    stream.response = asyncio.get_running_loop().create_future()
-    conn.handlers[stream_id] = stream
-    conn.flush()
+    stream = conn.open_stream(authority, headers or [], method=method)
+    assert stream.response is not None
     status, _ = await asyncio.wait_for(stream.response, 10)
     return status, stream
 

@@ -48,6 +48,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ztunnel.errors import ZtunnelError
 from ztunnel.identity.certificate import WorkloadCertificate
 
 # Upstream ztunnel's HTTP/2 flow control (HTTP2_STREAM_WINDOW_SIZE / HTTP2_CONNECTION_WINDOW_SIZE defaults).
@@ -69,7 +70,7 @@ Bootstrap = dict[str, Any]
 _HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 
 
-class EnvoyError(RuntimeError):
+class EnvoyError(ZtunnelError, RuntimeError):
     """Envoy could not be started or queried; the message names the log file to read."""
 
 

@@ -39,6 +39,8 @@ from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ztunnel.errors import ZtunnelError
+
 T = TypeVar("T")
 
 NETNS_DIR = Path("/run/netns")
@@ -55,7 +57,7 @@ _libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
 _libc.setns.restype = ctypes.c_int
 
 
-class NetnsSetupError(RuntimeError):
+class NetnsSetupError(ZtunnelError, RuntimeError):
     """A command building or tearing down the topology failed (the message has the command and its stderr)."""
 
 

@@ -55,6 +55,7 @@ from xds.envoy.config.core.v3 import base_pb2
 from xds.envoy.service.discovery.v3 import discovery_pb2 as pb
 from ztunnel.config import Config
 from ztunnel.control import ControlPlaneError, auth_metadata, grpc_target, load_root_pem, secure_channel
+from ztunnel.errors import ZtunnelError
 from ztunnel.readiness import BlockReady
 from ztunnel.tasks import TaskGroup
 from ztunnel.xds.wire import describe_decode_error
@@ -353,11 +354,11 @@ class ConnectionTerminationReason(enum.Enum):
     COMPLETE = "Complete"
 
 
-class _ConnectFailed(Exception):
+class _ConnectFailed(ZtunnelError):
     """The stream never delivered a response: unreachable server, TLS or authentication failure."""
 
 
-class _BadResponse(Exception):
+class _BadResponse(ZtunnelError):
     """The server sent bytes that are not a ``DeltaDiscoveryResponse``."""
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 from xds.istio.security import authorization_pb2 as sec_pb
 from xds.istio.workload import workload_pb2 as wl_pb
+from ztunnel.errors import ZtunnelError
 from ztunnel.identity.spiffe import DEFAULT_TRUST_DOMAIN
 from ztunnel.rbac import (
     Action,
@@ -92,7 +93,7 @@ DEFAULT_CLUSTER_ID = "Kubernetes"
 MAX_PORT = 65535
 
 
-class ConversionError(ValueError):
+class ConversionError(ZtunnelError, ValueError):
     """A resource that cannot be converted. ``str()`` is ``<field path>: <problem>``."""
 
     def __init__(self, field: str, problem: str) -> None:

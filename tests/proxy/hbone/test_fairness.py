@@ -36,7 +36,7 @@ def test_window_and_resume_start_with_a_different_stream_each_time() -> None:
     conn = HboneTransport(HboneConnection(True), None, on_handshake=lambda t: None)
     calls: list[str] = []
     for name in "abcd":
-        conn.handlers[ord(name)] = Recorder(name, calls)  # type: ignore[assignment]
+        conn.streams[ord(name)] = Recorder(name, calls)  # type: ignore[assignment]
     firsts = []
     for i in range(8):
         calls.clear()

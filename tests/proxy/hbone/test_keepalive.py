@@ -26,6 +26,7 @@ from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.hbone import connection
 from ztunnel.proxy.hbone.connection import HboneTransport
+from ztunnel.proxy.hbone.reason import CloseKind
 from ztunnel.testing import hbone_transport
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -171,7 +172,9 @@ async def test_peer_that_never_acks_is_closed_with_goaway_no_error(cert: Workloa
         await until(lambda: peer.closed_at is not None, 5)
         assert peer.closed_at is not None
         assert pair.ours.closed
-        assert pair.ours.close_reason == f"no PING response within {TIMEOUT:g}s"
+        reason = pair.ours.close_reason
+        assert reason is not None and reason.kind is CloseKind.KEEPALIVE_TIMEOUT
+        assert str(reason) == f"no PING response within {TIMEOUT:g}s"
         # One PING, unanswered; after the timeout (not before), a GOAWAY NO_ERROR and then the connection ends.
         assert len(peer.pings) == 1, peer.pings
         first_ping = peer.pings[0][0]

@@ -11,22 +11,31 @@ reading its plaintext side; they resume when it drains below 256 KiB. Receive-si
 control (see ``core``).
 
 Keepalive as upstream: a PING every 10 s; no answer within 20 s closes the connection.
+
+Streams: the transport hands out :class:`~ztunnel.proxy.hbone.stream.HboneStream` objects (``open_stream`` for a
+client, one per CONNECT received for a server, answered with ``respond`` or ``reject``) and dispatches each event to
+its stream; nothing outside this package touches the HTTP/2 core, the stream table or the flush. Why a connection
+closed is a :class:`~ztunnel.proxy.hbone.reason.CloseReason`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 import ssl
 import time
-from collections.abc import Callable
-from typing import Protocol, cast
+from collections.abc import Callable, Iterable
+from typing import cast
 
+from ztunnel.config import Config
 from ztunnel.identity.spiffe import Identity
 from ztunnel.net import format_addr
 from ztunnel.proxy.hbone.core import (
+    CLIENT_SETTINGS,
+    SERVER_SETTINGS,
     ConnectRequested,
     ConnectResponded,
     DataReceived,
@@ -37,10 +46,13 @@ from ztunnel.proxy.hbone.core import (
     HboneProtocolError,
     PingAcked,
     RemoteSettingsChanged,
+    Settings,
     StreamEnded,
     StreamReset,
     WindowOpened,
 )
+from ztunnel.proxy.hbone.reason import CloseKind, CloseReason
+from ztunnel.proxy.hbone.stream import HboneStream
 
 log = logging.getLogger("ztunnel.proxy.h2")
 
@@ -59,22 +71,27 @@ WRITE_HIGH_WATER = 1024 * 1024
 WRITE_LOW_WATER = 256 * 1024
 _CIPHER_BUFFER_MIN = 16 * 1024
 _CIPHER_BUFFER_MAX = 256 * 1024
+_DRAINED = CloseReason(CloseKind.DRAINED, "drained")
 
 
-class StreamHandler(Protocol):
-    """What a tunnel attached to an HBONE stream receives."""
-
-    def on_response(self, status: int, headers: dict[str, str]) -> None: ...
-    def on_data(self, data: memoryview, flow_controlled_length: int) -> None: ...
-    def on_end(self) -> None: ...
-    def on_reset(self, error_code: int) -> None: ...
-    def on_window(self) -> None: ...
-    def on_write_paused(self, paused: bool) -> None: ...
-    def on_connection_lost(self, reason: str) -> None: ...
+def http2_settings(config: Config, *, client_side: bool) -> Settings:
+    """The HTTP/2 settings of an HBONE connection in either role: upstream's per-role values (``h2/client.rs``,
+    ``h2/server.rs``: header list size, the server's 200 concurrent streams) with the window and frame sizes of
+    ``HTTP2_STREAM_WINDOW_SIZE``, ``HTTP2_CONNECTION_WINDOW_SIZE`` and ``HTTP2_FRAME_SIZE``."""
+    return dataclasses.replace(
+        CLIENT_SETTINGS if client_side else SERVER_SETTINGS,
+        stream_window=config.http2_stream_window_size,
+        connection_window=config.http2_connection_window_size,
+        max_frame_size=config.http2_frame_size,
+    )
 
 
 class HboneTransport(asyncio.BufferedProtocol):
-    """TLS and HTTP/2 for one HBONE connection (either role). Streams attach as :class:`StreamHandler`."""
+    """TLS and HTTP/2 for one HBONE connection (either role), and the streams on it (:class:`HboneStream`).
+
+    The client opens streams with :meth:`open_stream`; a server hears of each CONNECT through
+    ``on_connect_request`` with its stream made, and answers it with :meth:`respond` or :meth:`reject`.
+    """
 
     def __init__(
         self,
@@ -82,7 +99,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         ssl_context: ssl.SSLContext | None,
         *,
         on_handshake: Callable[[HboneTransport], None],
-        on_connect_request: Callable[[HboneTransport, ConnectRequested], None] | None = None,
+        on_connect_request: Callable[[HboneTransport, HboneStream, ConnectRequested], None] | None = None,
         on_closed: Callable[[HboneTransport], None] | None = None,
         handshake_timeout: float | None = None,
     ) -> None:
@@ -92,7 +109,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         self._on_connect_request = on_connect_request
         self._on_closed = on_closed
         self._handshake_timeout = HANDSHAKE_TIMEOUT if handshake_timeout is None else handshake_timeout
-        self.handlers: dict[int, StreamHandler] = {}
+        self.streams: dict[int, HboneStream] = {}
         self.transport: asyncio.Transport | None = None
         self.peer: tuple[str, int] | None = None
         self.local: tuple[str, int] | None = None
@@ -101,7 +118,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         self.handshake_done = False
         self.closed = False
         self.draining = False  # no new streams; close once the last one finishes
-        self.close_reason = ""
+        self.close_reason: CloseReason | None = None  # set when closed
         self.write_paused = False
         self.last_active = time.monotonic()
         self._in_bio = ssl.MemoryBIO()
@@ -162,23 +179,23 @@ class HboneTransport(asyncio.BufferedProtocol):
         self._read_tls()
 
     def eof_received(self) -> bool:
-        self._lost("peer closed the connection")
+        self._lost(CloseReason(CloseKind.PEER_CLOSED, "peer closed the connection"))
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._lost(f"connection lost: {exc}" if exc else "connection closed")
+        self._lost(CloseReason.lost(exc))
 
     def pause_writing(self) -> None:
         self.write_paused = True
-        for handler in list(self.handlers.values()):
-            handler.on_write_paused(True)
+        for stream in list(self.streams.values()):
+            stream.on_write_paused(True)
 
     def resume_writing(self) -> None:
         self.write_paused = False
-        for handler in self._in_turn():
-            handler.on_write_paused(False)
+        for stream in self._in_turn():
+            stream.on_write_paused(False)
 
-    def _in_turn(self) -> list[StreamHandler]:
+    def _in_turn(self) -> list[HboneStream]:
         """Every stream, starting one further along each call.
 
         Whoever is served first when the transport drains or the connection window opens takes what there is (a
@@ -186,12 +203,12 @@ class HboneTransport(asyncio.BufferedProtocol):
         window): always starting with the same stream let it take 99.5% of the bytes of 8 concurrent streams
         (measured). Rotating the start shares them.
         """
-        handlers = list(self.handlers.values())
-        n = len(handlers)
+        streams = list(self.streams.values())
+        n = len(streams)
         if n < 2:
-            return handlers
+            return streams
         self._turn = start = (self._turn + 1) % n
-        return handlers[start:] + handlers[:start]
+        return streams[start:] + streams[:start]
 
     # -- TLS ---------------------------------------------------------------------------------------------------
 
@@ -204,7 +221,7 @@ class HboneTransport(asyncio.BufferedProtocol):
             return
         except (ssl.SSLError, OSError) as e:
             self._flush_tls()  # send the alert, if any
-            self.abort(f"TLS handshake failed: {_ssl_reason(e)}")
+            self.abort(CloseReason(CloseKind.TLS_HANDSHAKE_FAILED, f"TLS handshake failed: {_ssl_reason(e)}"))
             return
         self.handshake_done = True
         self._cancel_timer()
@@ -220,7 +237,8 @@ class HboneTransport(asyncio.BufferedProtocol):
 
     def _on_handshake_timeout(self) -> None:
         if not self.handshake_done:
-            self.abort(f"TLS handshake timed out after {self._handshake_timeout:g}s")
+            message = f"TLS handshake timed out after {self._handshake_timeout:g}s"
+            self.abort(CloseReason(CloseKind.TLS_HANDSHAKE_TIMEOUT, message, timed_out=True))
 
     def _read_tls(self) -> None:
         sslobj = self.ssl_object
@@ -249,10 +267,10 @@ class HboneTransport(asyncio.BufferedProtocol):
                 except ssl.SSLZeroReturnError:
                     if got:
                         self._dispatch(core.buffer_updated(got))
-                    self.abort("peer sent TLS close_notify")
+                    self.abort(CloseReason(CloseKind.TLS_CLOSE_NOTIFY, "peer sent TLS close_notify"))
                     return
                 except ssl.SSLError as e:
-                    self.abort(f"TLS error: {_ssl_reason(e)}")
+                    self.abort(CloseReason(CloseKind.TLS_ERROR, f"TLS error: {_ssl_reason(e)}"))
                     return
                 if not got:
                     break
@@ -264,12 +282,12 @@ class HboneTransport(asyncio.BufferedProtocol):
             self._dispatching = False
             log.warning("closing HTTP/2 connection from %s: %s", _format_peer(self.peer), e)
             self.flush()
-            self.close(f"HTTP/2 protocol error: {e}")
+            self.close(CloseReason(CloseKind.PROTOCOL_ERROR, f"HTTP/2 protocol error: {e}"))
             return
         finally:
             self._dispatching = False
         if not self.closed:
-            if self.handlers:
+            if self.streams:
                 # Use, for the pool's idle eviction, is traffic of streams: the PINGs both sides send every 10 s on
                 # an idle connection must not keep it in the pool forever (POOL_UNUSED_RELEASE_TIMEOUT is 5 min).
                 self.last_active = time.monotonic()
@@ -283,17 +301,17 @@ class HboneTransport(asyncio.BufferedProtocol):
     # -- events ------------------------------------------------------------------------------------------------
 
     def _dispatch(self, events: list[Event]) -> None:
-        handlers = self.handlers
+        streams = self.streams
         for ev in events:
             if type(ev) is DataReceived:
-                h = handlers.get(ev.stream_id)
+                h = streams.get(ev.stream_id)
                 if h is not None:
                     h.on_data(ev.data, ev.flow_controlled_length)
                 else:
                     self.core.ack_data(ev.stream_id, ev.flow_controlled_length)
             elif type(ev) is WindowOpened:
                 if ev.stream_id:
-                    h = handlers.get(ev.stream_id)
+                    h = streams.get(ev.stream_id)
                     if h is not None:
                         h.on_window()
                 else:
@@ -301,19 +319,21 @@ class HboneTransport(asyncio.BufferedProtocol):
                         h.on_window()
             elif type(ev) is ConnectRequested:
                 if self._on_connect_request is not None:
-                    self._on_connect_request(self, ev)
+                    stream = HboneStream(self, ev.stream_id)
+                    streams[ev.stream_id] = stream
+                    self._on_connect_request(self, stream, ev)
                 else:
                     self.core.reset_stream(ev.stream_id, ErrorCode.REFUSED_STREAM)
             elif type(ev) is ConnectResponded:
-                h = handlers.get(ev.stream_id)
+                h = streams.get(ev.stream_id)
                 if h is not None:
                     h.on_response(ev.status, ev.headers)
             elif type(ev) is StreamEnded:
-                h = handlers.get(ev.stream_id)
+                h = streams.get(ev.stream_id)
                 if h is not None:
                     h.on_end()
             elif type(ev) is StreamReset:
-                h = handlers.pop(ev.stream_id, None)
+                h = streams.pop(ev.stream_id, None)
                 if h is not None:
                     h.on_reset(ev.error_code)
             elif type(ev) is PingAcked:
@@ -323,10 +343,10 @@ class HboneTransport(asyncio.BufferedProtocol):
                 # last_stream_id counts streams *we* opened (odd ids for a client, even for a server): ours above
                 # it were never processed by the peer; the peer's own streams are unaffected and may finish.
                 parity = 1 if self.core.client_side else 0
-                for sid in [s for s in handlers if s % 2 == parity and s > ev.last_stream_id]:
-                    handlers.pop(sid).on_reset(ErrorCode.REFUSED_STREAM)
-                if not handlers:
-                    self.close("peer sent GOAWAY")
+                for sid in [s for s in streams if s % 2 == parity and s > ev.last_stream_id]:
+                    streams.pop(sid).on_reset(ErrorCode.REFUSED_STREAM)
+                if not streams:
+                    self.close(CloseReason(CloseKind.GOAWAY, "peer sent GOAWAY"))
             elif type(ev) is RemoteSettingsChanged and ev.max_concurrent_streams is not None:
                 self.max_concurrent_streams = ev.max_concurrent_streams
 
@@ -354,17 +374,60 @@ class HboneTransport(asyncio.BufferedProtocol):
             self._flush_tls()
 
     def detach(self, stream_id: int) -> None:
-        self.handlers.pop(stream_id, None)
-        if not self.handlers:
+        """The stream is finished: forget it (its further events are ignored); a draining connection may close."""
+        self.streams.pop(stream_id, None)
+        if not self.streams:
             self.last_active = time.monotonic()  # idle from now
-        if not self.handlers and (self.draining or self.core.goaway_received is not None):
-            self.close("drained" if self.draining else "peer sent GOAWAY and the last stream finished")
+        if not self.streams and (self.draining or self.core.goaway_received is not None):
+            if self.draining:
+                self.close(_DRAINED)
+            else:
+                self.close(CloseReason(CloseKind.GOAWAY, "peer sent GOAWAY and the last stream finished"))
+
+    # -- streams -----------------------------------------------------------------------------------------------
+
+    def open_stream(
+        self, authority: str, headers: Iterable[tuple[str, str]] = (), *, method: str = "CONNECT"
+    ) -> HboneStream:
+        """Client: send a CONNECT to ``authority`` (``ip:port``) with ``headers``; its answer is ``stream.response``.
+
+        ``method`` exists for conformance tests of servers (a non-CONNECT request must get a 400)."""
+        stream_id = self.core.send_connect(authority, headers, method)
+        stream = HboneStream(self, stream_id, asyncio.get_running_loop().create_future())
+        self.streams[stream_id] = stream
+        self.last_active = time.monotonic()
+        self.flush()
+        return stream
+
+    def respond(self, stream: HboneStream, status: int, headers: Iterable[tuple[str, str]] = ()) -> None:
+        """Server: answer a CONNECT (200: the tunnel is up; attach the stream to relay it)."""
+        self.core.send_response(stream.stream_id, status, headers)
+        self.flush()
+
+    def reject(self, stream: HboneStream, status: int) -> None:
+        """Server: refuse a CONNECT with ``status`` and END_STREAM (upstream sends errors so); the stream is
+        forgotten. Nothing is sent for a stream already gone (reset by the peer, or the connection lost)."""
+        if stream.done or self.closed:
+            return
+        self.core.send_response(stream.stream_id, status, end_stream=True)
+        self.detach(stream.stream_id)
+        self.flush()
+
+    @property
+    def stream_count(self) -> int:
+        """Streams open on this connection."""
+        return len(self.streams)
+
+    @property
+    def goaway_received(self) -> bool:
+        """The peer sent GOAWAY: it takes no new streams from us."""
+        return self.core.goaway_received is not None
 
     def drain_when_idle(self) -> None:
         """Take no new streams and close when the open ones are done (a client's side of a drain)."""
         self.draining = True
-        if not self.handlers:
-            self.close("drained")
+        if not self.streams:
+            self.close(_DRAINED)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -380,7 +443,7 @@ class HboneTransport(asyncio.BufferedProtocol):
             # Upstream: keepalive timeout -> abrupt GOAWAY NO_ERROR, then drop the connection.
             self.core.goaway(ErrorCode.NO_ERROR)
             self.flush()
-            self.abort(f"no PING response within {PING_TIMEOUT:g}s")
+            self.abort(CloseReason(CloseKind.KEEPALIVE_TIMEOUT, f"no PING response within {PING_TIMEOUT:g}s"))
             return
         if self._ping_sent_at is None:
             self._ping_sent_at = now
@@ -399,41 +462,43 @@ class HboneTransport(asyncio.BufferedProtocol):
             return
         self.core.goaway(ErrorCode.NO_ERROR)
         self.flush()
-        if not self.handlers:
-            self.close("drained")
+        if not self.streams:
+            self.close(_DRAINED)
 
-    def close(self, reason: str) -> None:
-        """Close politely: TLS close_notify, then TCP FIN once the write buffer drains."""
+    def close(self, reason: CloseReason | str) -> None:
+        """Close politely: TLS close_notify, then TCP FIN once the write buffer drains. A ``str`` is ztunnel's own
+        reason (:attr:`CloseKind.ABORTED`)."""
         if self.closed:
             return
         if self.ssl_object is not None and self.handshake_done:
             with contextlib.suppress(ssl.SSLError):
                 self.ssl_object.unwrap()
             self._flush_tls()
-        self._lost(reason)
+        self._lost(reason if isinstance(reason, CloseReason) else CloseReason.aborted(reason))
         if self.transport is not None:
             self.transport.close()
             if self.transport.get_write_buffer_size():
                 asyncio.get_running_loop().call_later(CLOSE_TIMEOUT, self.transport.abort)
 
-    def abort(self, reason: str) -> None:
-        """Close at once (protocol error, timeout, failed verification)."""
+    def abort(self, reason: CloseReason | str) -> None:
+        """Close at once (protocol error, timeout, failed verification). A ``str`` is ztunnel's own reason
+        (:attr:`CloseKind.ABORTED`), such as a shutdown's."""
         if self.closed:
             return
-        self._lost(reason)
+        self._lost(reason if isinstance(reason, CloseReason) else CloseReason.aborted(reason))
         if self.transport is not None:
             self.transport.abort()
 
-    def _lost(self, reason: str) -> None:
+    def _lost(self, reason: CloseReason) -> None:
         if self.closed:
             return
         self.closed = True
         self.close_reason = reason
         self.core.closed = True
         self._cancel_timer()
-        handlers, self.handlers = self.handlers, {}
-        for h in handlers.values():
-            h.on_connection_lost(reason)
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            stream.on_connection_lost(reason)
         if self._on_closed is not None:
             self._on_closed(self)
 

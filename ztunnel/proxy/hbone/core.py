@@ -47,6 +47,7 @@ import h2.exceptions
 import h2.settings
 
 from ztunnel import thirdparty
+from ztunnel.errors import ZtunnelError
 
 # Frame header: 24-bit length + 8-bit type packed as one u32, then flags (u8) and stream id (u32).
 _HEADER = struct.Struct(">IBI")
@@ -241,7 +242,7 @@ Event = (
 )
 
 
-class HboneProtocolError(Exception):
+class HboneProtocolError(ZtunnelError):
     """The peer broke HTTP/2 badly enough that the connection must close; a GOAWAY has been queued."""
 
     def __init__(self, message: str, code: ErrorCode = ErrorCode.PROTOCOL_ERROR) -> None:

@@ -1,0 +1,189 @@
+"""The HBONE transport's stream-facing API: ``open_stream``, ``respond``, ``reject`` on the connection, and the
+stream's own operations (``end``, ``reset``, ``release``, sending through the relay) with the completion callback
+given to ``attach``. Two :class:`HboneTransport` over real TLS on loopback; each stream relayed to one end of a
+loopback TCP connection, the test talking through the other end.
+
+And the boundary: no module outside ``proxy/hbone/`` reaches into the HTTP/2 core, the stream table or the flush.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from ztunnel import tls
+from ztunnel.identity.ca import LocalCA
+from ztunnel.identity.spiffe import Identity
+from ztunnel.proxy.hbone.connection import HboneTransport
+from ztunnel.proxy.hbone.core import ConnectRequested, ErrorCode, HboneConnection
+from ztunnel.proxy.hbone.stream import HboneStream
+from ztunnel.proxy.relay import PlainConnection
+from ztunnel.testing import hbone_transport
+
+TD = "cluster.local"
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@dataclass
+class Pair:
+    client: HboneTransport
+    requests: asyncio.Queue[tuple[HboneTransport, HboneStream, ConnectRequested]]
+    done: list[HboneStream] = field(default_factory=list)
+    writers: list[asyncio.StreamWriter] = field(default_factory=list)
+
+    async def app_side(self, stream: HboneStream) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Attach ``stream`` to one end of a loopback TCP connection (``done`` hears when the stream finishes);
+        return the other end (TCP, so that a reset is a real RST)."""
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            ours = socket.create_connection(listener.getsockname()[:2])
+            theirs, _ = listener.accept()
+        plain = PlainConnection()
+        await asyncio.get_running_loop().create_connection(lambda: plain, sock=theirs)
+        stream.attach(plain, on_done=self.done.append)
+        reader, writer = await asyncio.open_connection(sock=ours)
+        self.writers.append(writer)
+        return reader, writer
+
+    async def request(self, authority: str = "10.0.0.2:8080") -> tuple[HboneStream, HboneTransport, HboneStream]:
+        """A CONNECT from the client, and the server's side of it."""
+        stream = self.client.open_stream(authority, [("baggage", "k8s.namespace.name=default")])
+        server, theirs, ev = await asyncio.wait_for(self.requests.get(), 5)
+        assert (ev.method, ev.authority, ev.headers["baggage"]) == ("CONNECT", authority, "k8s.namespace.name=default")
+        return stream, server, theirs
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[Pair]:
+    ca = LocalCA.generate(TD)
+    client_cert = ca.issue(Identity(TD, "default", "client"), timedelta(hours=1))
+    server_cert = ca.issue(Identity(TD, "default", "server"), timedelta(hours=1))
+    requests: asyncio.Queue[tuple[HboneTransport, HboneStream, ConnectRequested]] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    server_ctx = tls.server_context(server_cert)
+    server = await loop.create_server(
+        lambda: HboneTransport(
+            HboneConnection(False),
+            server_ctx,
+            on_handshake=lambda t: None,
+            on_connect_request=lambda conn, stream, ev: requests.put_nowait((conn, stream, ev)),
+        ),
+        "127.0.0.1",
+        0,
+    )
+    done: asyncio.Future[HboneTransport] = loop.create_future()
+    addr = server.sockets[0].getsockname()
+    await loop.create_connection(lambda: hbone_transport(True, tls.client_context(client_cert), done), *addr)
+    p = Pair(await asyncio.wait_for(done, 5), requests)
+    try:
+        yield p
+    finally:
+        for w in p.writers:
+            w.close()
+        p.client.abort("test done")
+        server.close()
+
+
+async def eventually(cond: object, timeout: float = 5.0) -> None:
+    assert callable(cond)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_open_respond_relay_end(pair: Pair) -> None:
+    stream, server, theirs = await pair.request()
+    assert pair.client.stream_count == server.stream_count == 1
+    server.respond(theirs, 200, [("baggage", "k8s.namespace.name=dest")])
+    assert stream.response is not None
+    status, headers = await asyncio.wait_for(stream.response, 5)
+    assert (status, headers["baggage"]) == (200, "k8s.namespace.name=dest")
+
+    client_r, client_w = await pair.app_side(stream)
+    server_r, server_w = await pair.app_side(theirs)
+    client_w.write(b"ping" * 1000)
+    assert await asyncio.wait_for(server_r.readexactly(4000), 5) == b"ping" * 1000
+    server_w.write(b"pong")
+    assert await asyncio.wait_for(client_r.readexactly(4), 5) == b"pong"
+
+    # FIN -> END_STREAM -> FIN, each way on its own; the completion callback hears each stream once, at the end.
+    client_w.write_eof()
+    assert await asyncio.wait_for(server_r.read(), 5) == b""
+    assert pair.done == []
+    server_w.write_eof()
+    assert await asyncio.wait_for(client_r.read(), 5) == b""
+    await eventually(lambda: len(pair.done) == 2)
+    assert {id(s) for s in pair.done} == {id(stream), id(theirs)}
+    assert all(s.error is None for s in pair.done)
+    assert (stream.bytes_from_plain, stream.bytes_to_plain) == (4000, 4)
+    assert (theirs.bytes_to_plain, theirs.bytes_from_plain) == (4000, 4)
+    await eventually(lambda: pair.client.stream_count == server.stream_count == 0)
+
+
+async def test_reject_answers_and_forgets_the_stream(pair: Pair) -> None:
+    stream, server, theirs = await pair.request()
+    server.reject(theirs, 403)
+    assert server.stream_count == 0
+    assert stream.response is not None
+    status, _ = await asyncio.wait_for(stream.response, 5)
+    assert status == 403
+    server.reject(theirs, 403)  # a second answer is never sent: the stream is gone
+    await eventually(lambda: stream.remote_ended)  # the 403 ended the stream
+
+
+async def test_reset_reaches_the_peer_as_a_tcp_reset(pair: Pair) -> None:
+    stream, server, theirs = await pair.request()
+    server.respond(theirs, 200)
+    assert stream.response is not None
+    await asyncio.wait_for(stream.response, 5)
+    await pair.app_side(stream)
+    server_r, _ = await pair.app_side(theirs)
+    stream.reset(ErrorCode.CONNECT_ERROR)
+    assert stream.done and pair.client.stream_count == 0
+    with pytest.raises(ConnectionResetError):
+        await asyncio.wait_for(server_r.read(), 5)
+    await eventually(lambda: theirs.done)
+    assert theirs.error == f"stream reset by peer (HTTP/2 error {int(ErrorCode.CONNECT_ERROR)})"
+    assert theirs in pair.done
+
+
+async def test_end_half_closes_only_our_side(pair: Pair) -> None:
+    stream, server, theirs = await pair.request()
+    server.respond(theirs, 200)
+    assert stream.response is not None
+    await asyncio.wait_for(stream.response, 5)
+    server_r, server_w = await pair.app_side(theirs)
+    client_r, _ = await pair.app_side(stream)
+    stream.end()
+    assert await asyncio.wait_for(server_r.read(), 5) == b""  # END_STREAM arrived as FIN
+    server_w.write(b"still open this way")
+    assert await asyncio.wait_for(client_r.readexactly(19), 5) == b"still open this way"
+    assert not stream.done
+
+
+# -- the boundary ------------------------------------------------------------------------------------------------
+
+# What only proxy/hbone/ may touch: the HTTP/2 core of a transport, its stream table, its flush, a stream's callback.
+INTERNALS = re.compile(r"\.core\.|\.handlers\b|\.streams\[|\._on_done\b|\.flush\(\)")
+
+
+def test_nothing_outside_the_hbone_package_touches_its_internals() -> None:
+    """Modules that use HBONE objects (they import from ``ztunnel.proxy.hbone``) go through the API above."""
+    offenders = []
+    for path in sorted((ROOT / "ztunnel").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        text = path.read_text()
+        if rel.startswith("ztunnel/proxy/hbone/") or "ztunnel.proxy.hbone" not in text:
+            continue
+        offenders += [
+            f"{rel}:{n}: {line.strip()}" for n, line in enumerate(text.splitlines(), 1) if INTERNALS.search(line)
+        ]
+    assert offenders == []

@@ -1,0 +1,103 @@
+"""Dialling plaintext TCP: the one way every listener reaches an app or a non-mesh destination (upstream keeps it
+in ``proxy.rs``, ``freebind_connect``).
+
+Outbound uses :func:`connect_plain` for plain TCP to a destination outside the mesh; the inbound listeners (15008
+and 15006) use :func:`connect_interruptible`, which a policy change or a forced drain can interrupt while the
+connect is still in flight, because their connection is already tracked by then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from ipaddress import ip_address
+
+from ztunnel.net import format_addr
+from ztunnel.proxy.common import CONNECTION_TIMEOUT, ProxyError, is_timeout, os_error_reason
+from ztunnel.proxy.connection_manager import ConnectionRecord
+from ztunnel.proxy.relay import PlainConnection
+from ztunnel.sockets import (
+    SocketFactory,
+    connect,
+    family_of,
+    set_bind_no_port,
+    set_freebind,
+    set_transparent,
+    sockaddr,
+)
+from ztunnel.state.workload import IPAddress
+
+# The access log's error for an inbound connection that a policy change (or a drain) stopped while it connected.
+INTERRUPTED = "connection to the app interrupted"
+
+
+async def connect_plain(
+    sockets: SocketFactory, dst: tuple[IPAddress, int], bind_src: IPAddress | None = None, transparent: bool = False
+) -> PlainConnection:
+    """A plaintext TCP connection to ``dst`` (10 s timeout), optionally from a spoofed source IP."""
+    loop = asyncio.get_running_loop()
+    try:
+        sock = sockets.tcp(family_of(dst[0]), bind_source=bind_src is None)
+    except OSError as e:  # EMFILE above all: a clear failure for this connection, not a crashed task
+        raise ProxyError(f"failed to connect to {format_addr(*dst)}: {e.strerror or e}") from None
+    try:
+        if bind_src is not None:
+            if transparent and set_transparent(sock):
+                # Spoof the client's address toward the app, so it sees who really called (IP_TRANSPARENT).
+                set_freebind(sock)
+                set_bind_no_port(sock)
+                sock.bind(sockaddr(bind_src, 0))
+            elif sockets.cfg.source_ip is not None and family_of(ip_address(sockets.cfg.source_ip)) == sock.family:
+                set_bind_no_port(sock)
+                sock.bind((sockets.cfg.source_ip, 0))
+        async with asyncio.timeout(CONNECTION_TIMEOUT):
+            await connect(sock, sockaddr(*dst))
+        upstream = PlainConnection()
+        await loop.create_connection(lambda: upstream, sock=sock)
+    except TimeoutError:
+        sock.close()
+        raise ProxyError(f"connection to {format_addr(*dst)} timed out", timed_out=True) from None
+    except OSError as e:
+        sock.close()
+        raise ProxyError(
+            f"failed to connect to {format_addr(*dst)}: {os_error_reason(e)}", timed_out=is_timeout(e)
+        ) from None
+    except asyncio.CancelledError:
+        sock.close()  # the stream this was for went away first
+        raise
+    return upstream
+
+
+async def connect_interruptible(
+    sockets: SocketFactory,
+    record: ConnectionRecord,
+    dst: tuple[IPAddress, int],
+    bind_src: IPAddress | None,
+    transparent: bool,
+) -> PlainConnection | None:
+    """:func:`connect_plain` for a connection already tracked (``record``), which the connection manager can
+    interrupt through ``record.closer`` (a policy change that denies it, a forced drain): then None, with the
+    half-open socket closed, and ``record.forced`` says why. Raises ProxyError when the connect fails."""
+    upstream: PlainConnection | None = None
+    try:
+        async with asyncio.timeout(None) as held:
+            record.closer = _interrupter(held)
+            upstream = await connect_plain(sockets, dst, bind_src=bind_src, transparent=transparent)
+    except TimeoutError:
+        pass  # our interruption (connect_plain reports its own timeout as a ProxyError); it closed its socket
+    finally:
+        record.closer = None
+    if record.forced is not None and upstream is not None:
+        upstream.close()  # interrupted just as the connect completed
+        return None
+    return upstream
+
+
+def _interrupter(held: asyncio.Timeout) -> Callable[[str], None]:
+    """A ``closer`` for a connection still connecting: ends the ``held`` block at once, as a timeout."""
+
+    def interrupt(reason: str) -> None:
+        if not held.expired():
+            held.reschedule(0)  # in the past: fires on the next loop iteration
+
+    return interrupt

@@ -1,0 +1,267 @@
+"""One HBONE stream relayed to one plaintext socket: the stream object :class:`HboneTransport` hands out.
+
+A tunnel in either role: the client's (outbound, from :meth:`HboneTransport.open_stream`) or the server's (inbound,
+one per CONNECT the transport receives). The stream talks only to its connection, as httpcore's HTTP/2 stream does:
+each operation makes the core call and the flush together, so no caller touches the HTTP/2 core or flushes by hand:
+
+* :meth:`HboneStream.send_from_plain` (the relay's ``send``): DATA framed in place in the plaintext socket's read
+  buffer (the 9 bytes kept free before each payload take the frame header) and written to TLS in one call;
+* :meth:`HboneStream.end`: END_STREAM, our half-close;
+* :meth:`HboneStream.reset`: RST_STREAM, and a TCP reset to the plaintext side;
+* :meth:`HboneStream.release`: flow-control window given back to the peer once the plaintext side caught up.
+
+The connection's events arrive as the ``on_*`` callbacks; the plaintext socket's as the ``plain_*`` ones
+(:class:`~ztunnel.proxy.relay.PlainPeer`). The completion callback is passed to :meth:`HboneStream.attach`.
+
+Relay semantics (upstream ``copy.rs`` and ``h2.rs``):
+
+* Backpressure: when the HBONE send window is closed, or the TLS connection's socket buffer is above its high-water
+  mark, the plaintext socket stops being read; when the plaintext socket's write buffer fills, the stream stops
+  releasing flow-control window, so the peer stops at the 4 MiB stream window. Memory per tunnel is bounded.
+* Half-close is carried end to end: FIN -> END_STREAM -> FIN, in each direction independently. A TCP reset becomes
+  RST_STREAM(CONNECT_ERROR) and an RST_STREAM other than NO_ERROR/CANCEL becomes a TCP reset (RFC 9113 §8.5);
+  upstream reads NO_ERROR and CANCEL as EOF.
+* Byte counts are plain ints on the stream; metrics read them at close (no per-chunk label lookups or logging).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Protocol
+
+from ztunnel.proxy.hbone.core import FRAME_HEADER_SIZE, ErrorCode, HboneConnection
+from ztunnel.proxy.hbone.reason import CloseReason
+from ztunnel.proxy.relay import HDR, PlainConnection
+
+# The relay keeps HDR bytes free before every payload it reads; a DATA frame header must fit there.
+assert HDR >= FRAME_HEADER_SIZE
+
+
+class StreamConnection(Protocol):
+    """What a stream needs of its connection (:class:`~ztunnel.proxy.hbone.connection.HboneTransport`)."""
+
+    core: HboneConnection
+    closed: bool
+    write_paused: bool
+
+    def write_frame(self, frame: memoryview) -> None: ...
+    def flush(self) -> None: ...
+    def detach(self, stream_id: int) -> None: ...
+
+
+class HboneStream:
+    """A tunnel: one HBONE stream relayed to one plaintext socket. Client (outbound) or server (inbound) role.
+
+    Made by the connection, never directly: ``response`` is the client's future of the CONNECT's answer
+    (``(status, headers)``, or ConnectionResetError), ``setup`` the server's task that authorizes and connects the
+    stream (cancelled if the peer resets it, or the connection is lost, first).
+    """
+
+    def __init__(
+        self,
+        conn: StreamConnection,
+        stream_id: int,
+        response: asyncio.Future[tuple[int, dict[str, str]]] | None = None,
+    ) -> None:
+        self.conn = conn
+        self._core = conn.core
+        self.stream_id = stream_id
+        self.plain: PlainConnection | None = None
+        self._on_done: Callable[[HboneStream], None] | None = None
+        self.response = response
+        self.remote_ended = False  # END_STREAM received (and passed on as FIN)
+        self.local_ended = False  # END_STREAM sent
+        self.reset_code: int | None = None
+        self.lost: CloseReason | None = None  # why the connection went away under the stream, if it did
+        self.error: str | None = None
+        self.done = False
+        self.bytes_to_plain = 0
+        self.bytes_from_plain = 0
+        self._held = 0  # received while the plaintext socket could not take more: window not yet released
+        self._early: list[bytes] = []  # data that arrived before a plaintext socket was attached
+        # Server role: the task authorizing and connecting this stream. A peer that resets the stream first (or
+        # loses the connection) cancels it, so a rapid-reset loop costs no backend connections.
+        self.setup: asyncio.Task[None] | None = None
+
+    # -- setup -------------------------------------------------------------------------------------------------
+
+    def attach(self, plain: PlainConnection, on_done: Callable[[HboneStream], None] | None = None) -> None:
+        """Start relaying to ``plain``; ``on_done(stream)`` runs once when the tunnel is finished (both directions
+        closed, or reset, or the connection lost)."""
+        self._on_done = on_done
+        self.plain = plain
+        for chunk in self._early:
+            self._to_plain(memoryview(chunk), len(chunk))
+        self._early.clear()
+        if self.remote_ended:
+            plain.write_eof()
+        if self.conn.write_paused:
+            plain.pause_reading()
+        plain.attach(self)
+        self._maybe_done()
+
+    # -- operations: the core call and the flush together -------------------------------------------------------
+
+    def end(self) -> None:
+        """Half-close our side: END_STREAM (upstream's write shutdown)."""
+        if not self.local_ended:
+            self.local_ended = True
+            self._core.end_stream(self.stream_id)
+            self.conn.flush()
+
+    def reset(self, code: ErrorCode = ErrorCode.CONNECT_ERROR) -> None:
+        """Abort the tunnel: RST_STREAM to the peer and a TCP reset to the plaintext side."""
+        if self.done:
+            return
+        self._send_reset(code)
+        if self.plain is not None:
+            self.plain.reset()
+        self._finish()
+
+    def release(self, nbytes: int) -> None:
+        """The plaintext side took ``nbytes`` more: give the peer that much window now, not at the next batch."""
+        core = self._core
+        core.ack_data(self.stream_id, nbytes)
+        core.flush_acks(self.stream_id)
+        self.conn.flush()
+
+    def _send_reset(self, code: ErrorCode) -> None:
+        self._core.reset_stream(self.stream_id, code)
+        self.conn.flush()
+
+    # -- HBONE -> plaintext ------------------------------------------------------------------------------------
+
+    def on_response(self, status: int, headers: dict[str, str]) -> None:
+        if self.response is not None and not self.response.done():
+            self.response.set_result((status, headers))
+
+    def on_data(self, data: memoryview, flow_controlled_length: int) -> None:
+        if self.plain is None:
+            self._early.append(bytes(data))  # rare: bytes before the 200 was handled; bounded by the window
+            self._held += flow_controlled_length
+            return
+        self._to_plain(data, flow_controlled_length)
+
+    def _to_plain(self, data: memoryview, flow_controlled_length: int) -> None:
+        # Per chunk: no flush here, the connection flushes once at the end of the read that delivered it.
+        plain = self.plain
+        assert plain is not None
+        self.bytes_to_plain += len(data)
+        if plain.write(data):
+            self._core.pin()
+        if plain.write_paused:
+            self._held += flow_controlled_length
+        else:
+            self._core.ack_data(self.stream_id, flow_controlled_length + self._held)
+            self._held = 0
+
+    def plain_write_paused(self, plain: PlainConnection, paused: bool) -> None:
+        if not paused and self._held:
+            held, self._held = self._held, 0
+            self.release(held)
+
+    def on_end(self) -> None:
+        self.remote_ended = True
+        if self.plain is not None:
+            self.plain.write_eof()
+        self._maybe_done()
+
+    def on_reset(self, error_code: int) -> None:
+        self.reset_code = error_code
+        if error_code in (ErrorCode.NO_ERROR, ErrorCode.CANCEL):
+            # Upstream reads these as EOF; the stream is gone, so our side is finished too.
+            self.remote_ended = True
+            self.local_ended = True
+            if self.plain is not None:
+                self.plain.write_eof()
+                if self.plain.eof_received_:
+                    self.plain.close()
+        else:
+            self.error = f"stream reset by peer (HTTP/2 error {error_code})"
+            if self.plain is not None:
+                self.plain.reset()
+        if self.response is not None and not self.response.done():
+            self.response.set_exception(ConnectionResetError(f"stream reset before response (code {error_code})"))
+        self._finish()
+
+    def on_window(self) -> None:
+        if self.plain is not None and self.plain.start != self.plain.end:
+            self.plain.push()
+
+    def on_write_paused(self, paused: bool) -> None:
+        if self.plain is not None:
+            if paused:
+                self.plain.pause_reading()
+            else:
+                self.plain.resume_reading()
+
+    def on_connection_lost(self, reason: CloseReason) -> None:
+        if self.done:
+            return
+        self.lost = reason
+        self.error = f"HBONE connection lost: {reason}"
+        if self.response is not None and not self.response.done():
+            self.response.set_exception(ConnectionResetError(self.error))
+        if self.plain is not None:
+            self.plain.reset()
+        self._finish()
+
+    # -- plaintext -> HBONE ------------------------------------------------------------------------------------
+
+    def send_from_plain(self, plain: PlainConnection, offset: int, length: int) -> int:
+        """Send ``plain``'s bytes ``[offset, offset+length)``: as many DATA frames as the windows allow, each framed
+        in place and written with the control frames queued before it. Returns the bytes taken."""
+        core = self._core
+        conn = self.conn
+        if conn.closed:
+            return 0
+        sent = 0
+        view = plain.view
+        while sent < length:
+            # Each DATA header goes in the 9 bytes before its payload: bytes already encrypted, so free to reuse.
+            n = core.frame_data(self.stream_id, plain.buf, offset + sent, length - sent)
+            if n == 0:
+                break
+            start = offset + sent - FRAME_HEADER_SIZE
+            conn.write_frame(view[start : offset + sent + n])
+            sent += n
+        self.bytes_from_plain += sent
+        return sent
+
+    def plain_eof(self, plain: PlainConnection) -> None:
+        self.end()
+        self._maybe_done()
+
+    def plain_lost(self, plain: PlainConnection, exc: Exception | None) -> None:
+        if self.done:
+            return
+        if exc is not None:
+            # The app's connection broke (reset): carry it as a reset, as RFC 9113 §8.5 asks of a CONNECT proxy.
+            self.error = f"connection reset: {exc}"
+            self._send_reset(ErrorCode.CONNECT_ERROR)
+            self._finish()
+            return
+        self.end()
+        if not self.remote_ended:
+            # The socket is fully closed, so nothing more can be delivered: stop the stream.
+            self._send_reset(ErrorCode.CANCEL)
+        self._finish()
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def _maybe_done(self) -> None:
+        plain = self.plain
+        if self.remote_ended and self.local_ended and plain is not None and plain.eof_written:
+            plain.close()
+            self._finish()
+
+    def _finish(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.setup is not None and self.plain is None:
+            self.setup.cancel()
+        if self._on_done is not None:
+            self._on_done(self)
+        self.conn.detach(self.stream_id)

@@ -1,0 +1,119 @@
+"""What a proxy's listeners are given (upstream ``ProxyInputs`` in ``proxy.rs``): config, state, certificates,
+sockets, the proxied workload, the drain, the HBONE pool and the connection manager; and on-demand xDS lookups."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from ztunnel.config import Config, WorkloadInfo
+from ztunnel.drain import Drain
+from ztunnel.identity.manager import CertificateProvider
+from ztunnel.proxy.common import ProxyError, TlsContextCache
+from ztunnel.proxy.connection_manager import ConnectionManager
+from ztunnel.proxy.pool import WorkloadHBONEPool
+from ztunnel.sockets import SocketFactory
+from ztunnel.state import ProxyState, StateChange
+from ztunnel.state.workload import NetworkAddress, Workload
+from ztunnel.tasks import TaskGroup
+
+log = logging.getLogger("ztunnel.proxy")
+
+# Upstream waits this long for a workload to appear in xDS before giving up (proxy.rs wait_for_workload).
+WORKLOAD_WAIT_TIMEOUT = 5.0
+# How long a connection waits for the control plane to answer an on-demand lookup before deciding without it.
+# Upstream (state.rs fetch_on_demand) waits for the answer with no bound: istiod always answers an explicit
+# subscription, with a removal when nothing matches. A bound keeps a control-plane outage from holding connections
+# forever; 5 s is upstream's other xDS wait (wait_for_workload).
+ON_DEMAND_TIMEOUT = 5.0
+
+
+class LocalWorkload:
+    """The workload a proxy serves (dedicated: ``PROXY_WORKLOAD_INFO``; in-pod: from ZDS), found in xDS state.
+
+    Upstream waits up to 5 s for the workload to appear before failing the connection: xDS may lag the pod.
+    """
+
+    def __init__(self, state: ProxyState, info: WorkloadInfo) -> None:
+        self.state = state
+        self.info = info
+        self._cached: Workload | None = None
+        self._version = -1
+        self._waiters: list[asyncio.Future[None]] = []
+        self._unsubscribe = state.subscribe(self._on_change)
+
+    def _on_change(self, change: StateChange) -> None:
+        if change.workloads:
+            self._version = -1
+            for w in self._waiters:
+                if not w.done():
+                    w.set_result(None)
+            self._waiters.clear()
+
+    def find(self) -> Workload | None:
+        if self._version == self.state.version and self._cached is not None:
+            return self._cached
+        info = self.info
+        self._cached = self.state.workloads.find_local(info.namespace, info.name, info.service_account)
+        self._version = self.state.version
+        return self._cached
+
+    async def get(self, timeout: float = WORKLOAD_WAIT_TIMEOUT) -> Workload:
+        w = self.find()
+        if w is not None:
+            return w
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while w is None:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise ProxyError(f"failed to fetch information about local workload {self.info}: not found in xDS")
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(fut)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fut, remaining)
+            w = self.find()
+        return w
+
+    def close(self) -> None:
+        self._unsubscribe()
+
+
+# Asks the control plane for "<network>/<ip>" (XDS_ON_DEMAND) and returns once it answered; the answer, if any,
+# is in the state by then (upstream ``Demander``).
+OnDemand = Callable[[NetworkAddress], Awaitable[None]]
+
+
+@dataclass
+class ProxyInputs:
+    """Everything a proxy's listeners share (upstream ``ProxyInputs``)."""
+
+    config: Config
+    state: ProxyState
+    certs: CertificateProvider
+    sockets: SocketFactory
+    local: LocalWorkload
+    drain: Drain
+    contexts: TlsContextCache
+    pool: WorkloadHBONEPool
+    connections: ConnectionManager
+    tasks: TaskGroup = field(default_factory=lambda: TaskGroup("proxy"))
+    rng: random.Random = field(default_factory=random.Random)
+    # Set when XDS_ON_DEMAND=true: addresses missing from the state are asked for before deciding.
+    on_demand: OnDemand | None = None
+
+    async def fetch_address(self, addr: NetworkAddress, client_ns: str | None = None) -> None:
+        """Upstream ``fetch_address``: if no service VIP or workload has ``addr``, ask for it on demand and wait
+        for the answer (at most :data:`ON_DEMAND_TIMEOUT`). A no-op without on-demand xDS or on a hit."""
+        if self.on_demand is None or self.state.find_address(addr, client_ns) is not None:
+            return
+        try:
+            await asyncio.wait_for(self.on_demand(addr), ON_DEMAND_TIMEOUT)
+        except TimeoutError:
+            log.warning(
+                "on-demand xDS lookup of %s not answered within %gs; deciding without it", addr, ON_DEMAND_TIMEOUT
+            )
