@@ -28,10 +28,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ztunnel.errors import ZtunnelError
+
 log = logging.getLogger("ztunnel.thirdparty")
 
 
-class PatchError(Exception):
+class PatchError(ZtunnelError):
     """A patch that correctness depends on cannot be applied to the installed library; the message says which
     library, which version and what to do."""
 

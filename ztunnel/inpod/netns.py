@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ztunnel.config import SocketAddress
+from ztunnel.errors import ZtunnelError
 from ztunnel.sockets import SocketConfig, SocketFactory
 
 log = logging.getLogger("ztunnel.inpod")
@@ -40,7 +41,7 @@ _libc.setns.restype = ctypes.c_int
 _switch_lock = threading.Lock()
 
 
-class NetnsError(OSError):
+class NetnsError(ZtunnelError, OSError):
     """A namespace fd that is not a network namespace, or a failed switch."""
 
 

@@ -27,12 +27,13 @@ from google.protobuf.message import DecodeError
 
 from xds.istio.workload.zds import zds_pb2
 from ztunnel.config import WorkloadInfo
+from ztunnel.errors import ZtunnelError
 from ztunnel.xds.wire import describe_decode_error
 
 MAX_PACKET = 1024  # upstream's read buffer; a longer message arrives truncated (MSG_TRUNC) and is refused
 
 
-class ZdsMessageError(Exception):
+class ZdsMessageError(ZtunnelError):
     """A malformed packet. ztunnel answers it with a NACK naming the problem; the node agent closes the connection."""
 
 

@@ -23,17 +23,18 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ztunnel.config import WorkloadInfo
+from ztunnel.errors import ZtunnelError
 from ztunnel.inpod.netns import Netns, NetnsId
 from ztunnel.inpod.protocol import AddWorkload, DelWorkload, KeepWorkload, SnapshotSent, WorkloadMessage, close_fd
 
 log = logging.getLogger("ztunnel.inpod")
 
 
-class ProtocolError(Exception):
+class ProtocolError(ZtunnelError):
     """The agent broke the protocol: NACK, then exit 1."""
 
 
-class ProxyStartError(Exception):
+class ProxyStartError(ZtunnelError):
     """A pod's proxies could not start (e.g. a port in use): NACK, and retry later."""
 
 

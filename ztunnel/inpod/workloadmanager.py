@@ -22,6 +22,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
+from ztunnel.errors import ZtunnelError
 from ztunnel.inpod.protocol import MAX_PACKET, ZdsMessageError, decode_request, encode_ack, encode_hello
 from ztunnel.inpod.statemanager import ProtocolError, ProxyStartError, WorkloadProxyManagerState
 from ztunnel.metrics import Child, Registry
@@ -36,7 +37,7 @@ READINESS_TASK = "workload proxy manager"
 _FD_SPACE = socket.CMSG_SPACE(8 * 4)  # room for a few fds, so extra ones are seen (and closed), not truncated
 
 
-class ZdsConnectionLost(Exception):
+class ZdsConnectionLost(ZtunnelError):
     pass
 
 

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ztunnel.errors import ZtunnelError
+
 # istio-cni's constants (cni/pkg/config/config.go).
 INPOD_MARK = 0x539  # 1337: ztunnel's SO_MARK; its own packets are never redirected
 INPOD_MASK = 0xFFF
@@ -176,7 +178,7 @@ def build_removal(saved: str) -> str:
     return "\n".join(out) + "\n" if out else ""
 
 
-class InpodRulesError(RuntimeError):
+class InpodRulesError(ZtunnelError, RuntimeError):
     """A command applying or removing the in-pod rules failed; the message names the command, netns and stderr."""
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ztunnel.config import WorkloadInfo
+from ztunnel.errors import ZtunnelError
 from ztunnel.inpod.protocol import (
     ZdsMessageError,
     decode_ack,
@@ -75,7 +76,7 @@ class PodInfo:
         return cls(uid=uid, namespace=names[0], name=names[1], service_account=sa, netns=netns)
 
 
-class ZdsError(RuntimeError):
+class ZdsError(ZtunnelError, RuntimeError):
     """The ztunnel connection failed: no ack in time, a malformed message, or the connection closed."""
 
 

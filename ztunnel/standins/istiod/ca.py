@@ -32,6 +32,7 @@ import grpc
 from cryptography import x509
 
 from xds.istio.v1.auth import ca_pb2
+from ztunnel.errors import ZtunnelError
 from ztunnel.identity.ca import CsrRejected, LocalCA
 from ztunnel.identity.spiffe import Identity
 
@@ -47,7 +48,7 @@ def node_identity(trust_domain: str) -> Identity:
     return Identity(trust_domain, "istio-system", "ztunnel")
 
 
-class CaRefused(Exception):
+class CaRefused(ZtunnelError):
     """A request the CA will not sign; ``code`` is the gRPC status to answer with."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:

@@ -18,6 +18,7 @@ from google.protobuf.message import Message
 
 from xds.istio.security import authorization_pb2 as sec_pb
 from xds.istio.workload import workload_pb2 as wl_pb
+from ztunnel.errors import ZtunnelError
 from ztunnel.rbac import Action, Authorization, IPNetwork, Match, Scope, ServiceAccountMatch, StringMatch
 from ztunnel.rbac import StringMatchKind as K
 from ztunnel.state import StateUpdate
@@ -55,7 +56,7 @@ __all__ = [
 ]
 
 
-class ConvertError(ValueError):
+class ConvertError(ZtunnelError, ValueError):
     """A model object that cannot be expressed as an xDS resource; the message names it."""
 
 
