@@ -139,6 +139,18 @@ async def test_reject_answers_and_forgets_the_stream(pair: Pair) -> None:
     await eventually(lambda: stream.remote_ended)  # the 403 ended the stream
 
 
+async def test_reject_of_the_last_stream_of_a_draining_connection_is_still_sent(pair: Pair) -> None:
+    # Rejecting the last stream of a draining connection closes it: the answer queued in the core must go out
+    # before TLS close_notify (it was dropped: the client saw the connection close and no status).
+    stream, server, theirs = await pair.request()
+    server.drain_when_idle()  # (a drain: no new streams, close when the open ones are done)
+    server.reject(theirs, 401)
+    assert server.closed
+    assert stream.response is not None
+    status, _ = await asyncio.wait_for(stream.response, 5)
+    assert status == 401
+
+
 async def test_reset_reaches_the_peer_as_a_tcp_reset(pair: Pair) -> None:
     stream, server, theirs = await pair.request()
     server.respond(theirs, 200)

@@ -471,6 +471,11 @@ class HboneTransport(asyncio.BufferedProtocol):
         if self.closed:
             return
         if self.ssl_object is not None and self.handshake_done:
+            # What the core still holds (the answer to the stream whose end closes a draining connection, a
+            # GOAWAY) goes out before close_notify, even mid-dispatch when flush() would defer it.
+            pending = self.core.data_to_send()
+            if pending:
+                self.ssl_object.write(pending)
             with contextlib.suppress(ssl.SSLError):
                 self.ssl_object.unwrap()
             self._flush_tls()
