@@ -35,6 +35,8 @@ import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests import importcheck
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS_DIR = ROOT / "docs"
@@ -453,36 +455,20 @@ def layer_of(path: str, layers: dict[str, int]) -> int | None:
     return layers[max(dirs, key=len)] if dirs else None
 
 
+@functools.cache
+def _project_modules() -> dict[str, Path]:
+    return {**importcheck.modules(ROOT, "ztunnel"), **importcheck.modules(ROOT, "xds")}
+
+
 def imported_files(path: Path) -> Iterator[tuple[int, str]]:
     """(line, file of the tree) for every import of ``ztunnel``/``xds`` in ``path``, local and TYPE_CHECKING ones
     included: ``from ztunnel import tls`` is ``ztunnel/tls.py``, ``from ztunnel.proxy import Proxy`` is
-    ``ztunnel/proxy/__init__.py``."""
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        candidates: list[tuple[str, str | None]]
-        if isinstance(node, ast.Import):
-            candidates = [(a.name, None) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*parent, base] if base else parent)
-            candidates = [(base, a.name) for a in node.names]
-        else:
-            continue
-        for module, name in candidates:
-            if module.split(".")[0] not in ("ztunnel", "xds"):
-                continue
-            target = ROOT.joinpath(*module.split("."))
-            if name is not None and (target / f"{name}.py").is_file():
-                target = target / f"{name}.py"
-            elif name is not None and (target / name / "__init__.py").is_file():
-                target = target / name / "__init__.py"
-            elif (target / "__init__.py").is_file():
-                target = target / "__init__.py"
-            else:
-                target = target.with_suffix(".py")
-            yield node.lineno, rel(target)
+    ``ztunnel/proxy/__init__.py`` (``tests/importcheck.py`` reads and resolves them)."""
+    known = _project_modules()
+    for line, name in importcheck.imports(path, ROOT, known):
+        if name.split(".")[0] in ("ztunnel", "xds"):
+            target = known.get(name)
+            yield line, rel(target) if target is not None else name.replace(".", "/") + ".py"
 
 
 def layer_problems(layers: dict[str, int]) -> tuple[list[str], set[tuple[str, str]]]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.importcheck import imports, module_name, within
+from tests.importcheck import cycles, graph, imports, module_name, within
 
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = ("xds", "ztunnel", "bench", "tests")
@@ -63,6 +63,14 @@ def test_top_level_packages_import_only_earlier_ones() -> None:
 
 def test_the_proxy_does_not_import_the_standins_the_test_toolkit_or_the_demo() -> None:
     assert proxy_imports_of_standins(ROOT) == []
+
+
+def test_no_import_cycle_anywhere_in_ztunnel() -> None:
+    # Every module of the package, lazy and TYPE_CHECKING imports included (tests/proxy/test_imports.py holds the
+    # proxy's finer rules; tests/test_docs.py the layers).
+    g = graph(ROOT, "ztunnel")
+    assert len(g) > 80 and "ztunnel.proxy.hbone.core" in g["ztunnel.proxy.hbone.connection"]
+    assert cycles(g) == []
 
 
 def test_the_checks_can_fail(tmp_path: Path) -> None:

@@ -8,96 +8,22 @@ depend on what the test run imported before.
 
 from __future__ import annotations
 
-import ast
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests import importcheck
+from tests.importcheck import cycles
+
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "ztunnel"
 # One module per listener, named as upstream's: none may import another (what two share lives below them).
 LISTENERS = ("outbound", "inbound", "inbound_passthrough", "socks5")
 # What the proxy layer is built into; importing any of it from ztunnel/proxy would be an upward import.
 ABOVE_PROXY = ("ztunnel.proxyfactory", "ztunnel.app", "ztunnel.admin", "ztunnel.inpod", "ztunnel.__main__")
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def all_modules() -> dict[str, Path]:
-    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
-
-
-def imports_of(path: Path, name: str, known: dict[str, Path]) -> Iterator[str]:
-    """The project modules ``path`` imports, resolved to modules (``from pkg import sub`` is ``pkg.sub``)."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name in known:
-                    yield alias.name
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                base = f"{anchor}.{base}" if base else anchor
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                if sub in known:
-                    yield sub
-                elif base in known:
-                    yield base
-
-
 def graph(prefix: str) -> dict[str, set[str]]:
-    known = all_modules()
-    out: dict[str, set[str]] = {}
-    for name, path in known.items():
-        if name == prefix or name.startswith(prefix + "."):
-            out[name] = {dep for dep in imports_of(path, name, known) if dep != name}
-    return out
-
-
-def cycles(g: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in g.get(v, ()):
-            if w not in g:
-                continue
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(g):
-        if v not in index:
-            visit(v)
-    return found
+    return importcheck.graph(ROOT, "ztunnel", prefix)
 
 
 def test_proxy_has_no_import_cycles() -> None:
