@@ -198,18 +198,30 @@ def test_the_cli_refuses_in_one_line(name: str, value: str) -> None:
     assert line.startswith(f"error: invalid configuration: {name}") and "refused" in line, line
 
 
-def test_the_worker_settings_are_listed() -> None:
-    # The issue's list, so a parametrization above cannot shrink silently.
-    warned = {name for name, _ in WARNINGS}
-    assert {
-        "ZTUNNEL_WORKER_THREADS",
-        "ZTUNNEL_CPU_LIMIT",
-        "ZTUNNEL_RESOURCE_CPU_LIMIT",
-        "ZTUNNEL_RESOURCE_CPU_REQUEST",
-        "PROXY_CONFIG",
-        "LOCALHOST_APP_TUNNEL",
-    } <= warned
+WORKER_SETTINGS = {
+    "ZTUNNEL_WORKER_THREADS": "4",
+    "ZTUNNEL_CPU_LIMIT": "4",
+    "ZTUNNEL_RESOURCE_CPU_LIMIT": "4",
+    "ZTUNNEL_RESOURCE_CPU_REQUEST": "500m",
+    "PROXY_CONFIG": '{"concurrency": 4}',
+}
+
+
+def test_the_lists_are_what_the_issues_say() -> None:
+    # So a parametrization above cannot shrink silently.
+    assert {"LOCALHOST_APP_TUNNEL"} <= {name for name, _ in WARNINGS}
     assert {"CRL_PATH", "COMPLIANCE_POLICY", "ENABLE_PROXY"} <= {name for name, _ in REFUSALS}
+
+
+@pytest.mark.parametrize(("name", "value"), WORKER_SETTINGS.items())
+def test_the_worker_settings_have_their_effect_without_a_warning(name: str, value: str) -> None:
+    # Issue 16: they size the worker processes now (tests/workers/ runs them), so they are implemented and quiet.
+    (entry,) = [s for s in SETTINGS if name in s.names]
+    assert entry.support is Support.IMPLEMENTED and not entry.warns_when
+    cfg = from_env({name: value}, cpu_count=2)
+    assert cfg.warnings == ()
+    # 500m rounds up to 1 CPU, below the default floor of 2 workers.
+    assert cfg.worker_threads == (2 if name == "ZTUNNEL_RESOURCE_CPU_REQUEST" else 4)
 
 
 async def test_a_running_ztunnel_logs_each_warning_at_startup(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -218,8 +230,7 @@ async def test_a_running_ztunnel_logs_each_warning_at_startup(tmp_path: Path, ca
     async with running_app(m.env_a(**dict(WARNINGS))):
         pass
     logged = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "no effect" in r.getMessage()]
-    # Each one named in exactly one line (the worker-sizing variables share a line: the chart sets two of them on
-    # every pod, and one line per start is enough).
+    # Each one named in exactly one line.
     for name, _ in WARNINGS:
         assert len([m for m in logged if re.search(rf"(^|, ){name}[= ]", m)]) == 1, (name, logged)
-    assert len(logged) == 2, logged
+    assert len(logged) == len(WARNINGS), logged

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import inspect
 import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
@@ -36,6 +37,7 @@ from ztunnel.state.service import Endpoint, Service
 from ztunnel.state.workload import GatewayAddress, NamespacedHostname, Workload
 
 log = logging.getLogger("ztunnel.admin")
+T = TypeVar("T")
 
 INDEX = """<!doctype html><html><head><title>ztunnel admin</title></head><body>
 <h1>ztunnel admin</h1><ul>
@@ -239,10 +241,11 @@ class AdminServer:
         state: ProxyState,
         *,
         certificates: Callable[[], Mapping[Identity, CertificateState]],
-        connections: Callable[[], Iterable[Mapping[str, Any]]],
+        connections: Callable[[], Iterable[Mapping[str, Any]] | Awaitable[Iterable[Mapping[str, Any]]]],
         shutdown: Callable[[], Awaitable[None]],
         local_config: LocalConfig | None = None,
-        workload_state: Callable[[], Mapping[str, Any]] | None = None,
+        workload_state: Callable[[], Mapping[str, Any] | Awaitable[Mapping[str, Any]]] | None = None,
+        log_level: Callable[[bool, str], None] | None = None,
     ) -> None:
         self.config = config
         self.state = state
@@ -251,12 +254,14 @@ class AdminServer:
         self.shutdown = shutdown
         self.local_config = local_config
         self.workload_state = workload_state
+        # Told of every log filter change made here (the worker processes apply it too).
+        self.log_level = log_level
         # The resolver config is read once, as upstream reads it at start (and a missing file warns once).
         self.resolver = ResolvConf.load().to_json()
         self._http: HttpServer | None = None
         self.addresses: list[tuple[str, int]] = []
 
-    def config_dump(self) -> dict[str, Any]:
+    async def config_dump(self) -> dict[str, Any]:
         state = self.state
         dump: dict[str, Any] = {
             "workloads": [workload_json(w) for w in state.workloads],
@@ -271,7 +276,7 @@ class AdminServer:
             "certificates": certificates_json(self.certificates()),
         }
         if self.workload_state is not None:
-            dump["workloadState"] = dict(self.workload_state())
+            dump["workloadState"] = dict(await _maybe_await(self.workload_state()))
         return dump
 
     async def start(self, addr: SocketAddress) -> None:
@@ -281,10 +286,10 @@ class AdminServer:
             return web.Response(text=INDEX, content_type="text/html")
 
         async def config_dump(request: web.Request) -> web.Response:
-            return web.Response(text=json.dumps(self.config_dump(), indent=2), content_type="application/json")
+            return web.Response(text=json.dumps(await self.config_dump(), indent=2), content_type="application/json")
 
         async def connections(request: web.Request) -> web.Response:
-            body = [dict(c) for c in self.connections()]
+            body = [dict(c) for c in await _maybe_await(self.connections())]
             return web.Response(text=json.dumps(body, indent=2), content_type="application/json")
 
         async def logging_(request: web.Request) -> web.Response:
@@ -299,6 +304,8 @@ class AdminServer:
                 level = telemetry.set_level("reset" in query, query.get("level", ""))
             except ValueError as e:
                 return web.Response(status=400, text=f"invalid log level: {e}\n")
+            if self.log_level is not None:
+                self.log_level("reset" in query, query.get("level", ""))
             return web.Response(text=f"current log level is {level}\n")
 
         async def quit_(request: web.Request) -> web.Response:
@@ -320,6 +327,13 @@ class AdminServer:
     async def stop(self) -> None:
         if self._http is not None:
             await self._http.stop()
+
+
+async def _maybe_await(value: T | Awaitable[T]) -> T:
+    """The providers may answer at once or, with worker processes to ask, later."""
+    if inspect.isawaitable(value):
+        return await value
+    return value
 
 
 async def wait_or_timeout(task: Awaitable[None], timeout: float) -> None:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
@@ -30,10 +30,9 @@ from ztunnel.identity.ca import CaError, LocalCA
 from ztunnel.identity.manager import CertificateProvider
 from ztunnel.localconfig import LocalConfig, load_local_config, parse_local_config
 from ztunnel.metrics import Registry, StatsServer
-from ztunnel.net import format_addr
 from ztunnel.proxy import Proxy
 from ztunnel.proxy.common import TlsContextCache
-from ztunnel.proxy.connection_manager import ConnectionRecord, Direction
+from ztunnel.proxy.connection_manager import ConnectionRecord, connections_dump
 from ztunnel.proxy.inputs import LocalWorkload, OnDemand
 from ztunnel.proxy.metrics import TrafficMetrics, flush_periodically
 from ztunnel.proxyfactory import PodProxies, ProxyFactory
@@ -41,6 +40,10 @@ from ztunnel.readiness import BlockReady, Readiness, ReadinessServer
 from ztunnel.state import ProxyState
 from ztunnel.state.workload import NetworkAddress
 from ztunnel.tasks import TaskGroup
+from ztunnel.workers.supervisor import PodFanout, RemotePod, Supervisor, WorkerStartError
+
+if TYPE_CHECKING:
+    from ztunnel.inpod.statemanager import ProxyFactory as InpodFactory
 
 log = logging.getLogger("ztunnel.app")
 
@@ -74,14 +77,18 @@ class App:
     dns_proxy: Any = None
     inpod_task: Any = None
 
+    supervisor: Supervisor | None = None  # the worker processes (None: ZTUNNEL_INLINE_DATA_PLANE=true)
+
     def __post_init__(self) -> None:
         self.registry = Registry(self.config.istio_version)
-        self.traffic = TrafficMetrics(self.registry)
         self.registry.dynamic.append(self._xds_metrics)
+        # With worker processes the traffic and DNS metrics are theirs, merged in at each scrape.
+        self.traffic = TrafficMetrics(Registry() if not self.config.inline_data_plane else self.registry)
         # The DNS metrics are prometheus-client objects in a registry of their own, written out with ours on 15020;
         # one set for the process, shared by every DNS proxy (upstream creates dns::Metrics once in app.rs).
         dns_registry = CollectorRegistry(auto_describe=True)
-        self.registry.extra.append(dns_registry)
+        if self.config.inline_data_plane:
+            self.registry.extra.append(dns_registry)
         self.dns_metrics = DnsMetrics(dns_registry)
 
     async def start(self) -> None:
@@ -127,6 +134,10 @@ class App:
             self.xds_client = client
             self.tasks.spawn(client.run(), "xds client")
         self.certs = self._certificate_provider()
+        if not self.config.inline_data_plane:
+            await self._start_workers(state_ready)
+            await self._start_admin()
+            return
         self.factory = ProxyFactory(
             self.config,
             self.state,
@@ -152,10 +163,26 @@ class App:
                 await self.proxy.start()
                 proxy_ready.release()
         elif self.config.proxy_mode is ProxyMode.SHARED:
-            self._start_inpod(state_ready)
+            self._start_inpod(state_ready, self.factory)
         # Bytes of long-lived connections reach the counters every 5 s, for every proxy (in-pod: every pod's).
         self.tasks.spawn(flush_periodically(self._all_connections, self.traffic), "metrics flush")
         await self._start_admin()
+
+    async def _start_workers(self, state_ready: BlockReady) -> None:
+        """The data plane in ``worker_threads`` worker processes (ztunnel/workers/): this process keeps the state,
+        the certificates, ZDS and the admin, stats and readiness servers, and never carries a tunnel's bytes."""
+        assert self.certs is not None and self.stats_server is not None
+        supervisor = self.supervisor = Supervisor(
+            self.config, self.state, self.certs, self.readiness, on_demand=self._on_demand()
+        )
+        self.registry.merge = supervisor.merge_metrics
+        self.stats_server.before_scrape = supervisor.refresh_metrics
+        try:
+            await supervisor.start()
+        except WorkerStartError as e:
+            raise StartupError(str(e)) from None
+        if self.config.proxy_mode is ProxyMode.SHARED:
+            self._start_inpod(state_ready, PodFanout(supervisor))
 
     async def _start_admin(self) -> None:
         cfg = self.config
@@ -168,25 +195,27 @@ class App:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self.stopped.wait()), cfg.self_termination_deadline + 1)
 
+        supervisor = self.supervisor
         self.admin_server = AdminServer(
             cfg,
             self.state,
             certificates=states if callable(states) else dict,
-            connections=self._connections,
+            connections=self._connections if supervisor is None else supervisor.connections,
             shutdown=quit_,
             local_config=self.local_config,
             workload_state=self._workload_state if cfg.proxy_mode is ProxyMode.SHARED else None,
+            log_level=supervisor.set_log_level if supervisor is not None else None,
         )
         await self.admin_server.start(cfg.admin_addr)
 
-    def _start_inpod(self, state_ready: BlockReady) -> None:
+    def _start_inpod(self, state_ready: BlockReady, factory: InpodFactory) -> None:
         """In-pod mode: per-pod proxies driven by istio-cni over ZDS, connected once xDS state is ready."""
         from ztunnel.inpod.netns import Netns, host_netns_fd
         from ztunnel.inpod.statemanager import WorkloadProxyManagerState
         from ztunnel.inpod.workloadmanager import WorkloadProxyManager
 
         host_fd = host_netns_fd()
-        self.inpod_state = WorkloadProxyManagerState(self.factory, lambda fd: Netns(fd, host_fd))
+        self.inpod_state = WorkloadProxyManagerState(factory, lambda fd: Netns(fd, host_fd))
         manager = WorkloadProxyManager(
             self.config.inpod_uds, self.inpod_state, self.readiness, self.registry, self._fatal
         )
@@ -197,6 +226,25 @@ class App:
             await manager.run()
 
         self.inpod_task = self.tasks.spawn(run(), "workload proxy manager")
+
+    async def _drain_workers(self, supervisor: Supervisor, deadline: float) -> None:
+        """Every worker drains its proxies (all pods' in-pod) within the deadline and exits; a second SIGINT meanwhile
+        ends them at once."""
+        if self.inpod_task is not None:
+            self.inpod_task.cancel()  # stop talking ZDS first: no new pods during the drain
+
+        async def force() -> None:
+            await self.drain.wait_forced()
+            supervisor.force()
+
+        forcing = self.tasks.spawn(force(), "force workers")
+        await supervisor.drain(graceful=not self.drain.forced, deadline=deadline)
+        forcing.cancel()
+        if self.inpod_state is not None:
+            for pod in [*self.inpod_state.pods.values(), *self.inpod_state.pending.values()]:
+                if pod.netns is not None:
+                    pod.netns.close()
+            self.inpod_state.pods.clear()
 
     async def _force_pods(self, pods: list[PodProxies]) -> None:
         """Each pod drains on a drain of its own: a second SIGINT during the drain must reach them too."""
@@ -223,11 +271,13 @@ class App:
         now = time.monotonic()
         return [r.to_json(now) for r in self._all_connections()]
 
-    def _workload_state(self) -> dict[str, Any]:
-        """``workloadState`` of the config dump (in-pod): each pod's state, identity info and connections."""
+    async def _workload_state(self) -> dict[str, Any]:
+        """``workloadState`` of the config dump (in-pod): each pod's state, identity info and connections (with
+        worker processes: over all of them)."""
         st = self.inpod_state
         if st is None:
             return {}
+        remote = await self.supervisor.pod_connections() if self.supervisor is not None else {}
         out: dict[str, Any] = {}
         for uid, pod in [*st.pods.items(), *st.pending.items()]:
             info = pod.info
@@ -236,11 +286,9 @@ class App:
                 "info": {"name": info.name, "namespace": info.namespace, "serviceAccount": info.service_account},
             }
             if isinstance(pod.proxies, PodProxies):
-                conns = list(pod.proxies.proxy.pi.connections)
-                entry["connections"] = {
-                    "inbound": [_inbound_dump(c) for c in conns if c.direction is Direction.INBOUND],
-                    "outbound": [_outbound_dump(c) for c in conns if c.direction is Direction.OUTBOUND],
-                }
+                entry["connections"] = connections_dump(pod.proxies.proxy.pi.connections)
+            elif isinstance(pod.proxies, RemotePod):
+                entry["connections"] = remote.get(uid, {"inbound": [], "outbound": []})
             out[uid] = entry
         return out
 
@@ -328,6 +376,8 @@ class App:
         self._waiting = True
         await self.drain.wait_started()
         deadline = 0.0 if self.drain.forced else self.config.self_termination_deadline
+        if self.supervisor is not None:
+            await self._drain_workers(self.supervisor, deadline)
         if self.dns_proxy is not None:
             await self.dns_proxy.close()  # upstream stops the DNS server as the drain starts
         proxy = self.proxy
@@ -356,30 +406,6 @@ class App:
         if self.admin_server is not None:
             await self.admin_server.stop()
         log.info("shutdown complete")
-
-
-def _inbound_dump(c: ConnectionRecord) -> dict[str, Any]:
-    """Upstream's ``InboundConnectionDump``: what policy saw (client -> pod ip:target port), the service named by
-    the client if any, and HBONE (an mTLS peer) or TCP (15006)."""
-    src, dst = c.src, c.dst
-    if c.rbac is not None:
-        src, dst = (c.rbac.src_ip, c.rbac.src_port), (c.rbac.dst_ip, c.rbac.dst_port)
-    return {
-        "src": format_addr(*src),
-        "originalDst": c.dst_service.hostname if c.dst_service is not None else None,
-        "actualDst": format_addr(*dst),
-        "protocol": "HBONE" if c.src_identity is not None else "TCP",
-    }
-
-
-def _outbound_dump(c: ConnectionRecord) -> dict[str, Any]:
-    """Upstream's ``OutboundConnection``: where the client was going, and where (and how) ztunnel sent it."""
-    return {
-        "src": format_addr(*c.src),
-        "originalDst": format_addr(*(c.original_dst or c.dst)),
-        "actualDst": format_addr(*c.dst),
-        "protocol": "HBONE" if c.mtls else "TCP",
-    }
 
 
 def build(config: Config) -> App:

@@ -234,6 +234,9 @@ class Config:
     # ZTUNNEL_VERIFY_SOURCE_IDENTITY (this project's own): on 15008, refuse a peer whose certificate is not the
     # identity of the workload at its source IP (upstream accepts it; the IP's workload is then never attributed).
     verify_source_identity: bool = field(default=False)
+    # ZTUNNEL_INLINE_DATA_PLANE (this project's own): run the data plane on the control process's event loop, in
+    # one process, instead of in worker_threads worker processes (debugging, and the in-process test harness).
+    inline_data_plane: bool = field(default=False)
 
     @property
     def ztunnel_identity(self) -> Identity | None:
@@ -338,6 +341,7 @@ class Config:
             "logFormat": self.log_format.value,
             "istioVersion": self.istio_version,
             "auth": {"token": "set" if self.auth.value else None},
+            "inlineDataPlane": self.inline_data_plane,
         }
         return out
 
@@ -523,7 +527,6 @@ class _ProxyConfig:
     stats_port: int | None = None
     concurrency: int | None = None
     proxy_metadata: Mapping[str, str] = field(default_factory=dict)
-    concurrency_source: str | None = None  # where concurrency was set, for the no-effect warning
 
 
 _PROXY_CONFIG_KEYS = {"discoveryAddress", "proxyAdminPort", "statsPort", "concurrency", "proxyMetadata"}
@@ -555,7 +558,6 @@ def _parse_proxy_config(data: Any, where: str, base: _ProxyConfig) -> _ProxyConf
         stats_port=values.get("statsPort", base.stats_port),
         concurrency=values.get("concurrency", base.concurrency),
         proxy_metadata=metadata,
-        concurrency_source=where if "concurrency" in values else base.concurrency_source,
     )
 
 
@@ -851,8 +853,9 @@ def from_env(
         log_format=log_format,
         istio_version=env.get("ISTIO_META_ISTIO_VERSION", ""),
         proxy_args=" ".join(args),
-        warnings=_no_effect_warnings(e, pc, worker_threads),
+        warnings=_no_effect_warnings(e),
         verify_source_identity=e.flag("ZTUNNEL_VERIFY_SOURCE_IDENTITY", False),
+        inline_data_plane=e.flag("ZTUNNEL_INLINE_DATA_PLANE", False),
     )
     return _validate(cfg)
 
@@ -870,20 +873,9 @@ _WORKER_VARIABLES = (
 )
 
 
-def _no_effect_warnings(e: _Env, pc: _ProxyConfig, worker_threads: int) -> tuple[str, ...]:
+def _no_effect_warnings(e: _Env) -> tuple[str, ...]:
     """One message per setting given that has no effect yet (``Support.WARNS`` in :data:`SETTINGS`)."""
     out: list[str] = []
-    one_loop = (
-        f"the data plane runs on one event loop (worker threads are not implemented), so the worker count it sets "
-        f"({worker_threads}, shown as numWorkerThreads) is not used"
-    )
-    # One line for all of them: the chart sets the CPU limit and request on every pod (downward API), and a warning
-    # per variable at every start would teach operators to skip warnings.
-    given = [f"{name}={raw!r}" for name in _WORKER_VARIABLES if (raw := e.raw(name)) is not None]
-    if pc.concurrency is not None:
-        given.append(f"{pc.concurrency_source} concurrency={pc.concurrency}")
-    if given:
-        out.append(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect yet: {one_loop}")
     raw = e.raw("LOCALHOST_APP_TUNNEL")
     if raw is not None:
         out.append(
@@ -989,12 +981,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(("ISTIO_META_DNS_CAPTURE",), ("dns_proxy",)),
     Setting(("ISTIO_META_DNS_PROXY_ADDR",), ("dns_proxy_addr",)),
     Setting(("ISTIO_META_*", "ISTIO_METAJSON_*"), ("proxy_metadata",)),
-    # ProxyConfig's concurrency sets the worker count, which has no effect yet (see the ZTUNNEL_WORKER_THREADS row).
-    Setting(
-        ("PROXY_CONFIG",),
-        ("xds_address", "admin_addr", "stats_addr", "proxy_metadata"),
-        warns_when={"PROXY_CONFIG": '{"concurrency": 4}'},
-    ),
+    # ProxyConfig's concurrency sets the worker count (see the ZTUNNEL_WORKER_THREADS row).
+    Setting(("PROXY_CONFIG",), ("xds_address", "admin_addr", "stats_addr", "proxy_metadata", "worker_threads")),
     Setting(("PREFERED_SERVICE_NAMESPACE",), ("prefered_service_namespace",)),
     Setting(("IPV6_ENABLED",), ("ipv6_enabled",)),
     Setting(("ENABLE_ORIG_SRC",), ("enable_orig_src",)),
@@ -1011,19 +999,8 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(("TERMINATION_GRACE_PERIOD_SECONDS",), ("self_termination_deadline",)),
     Setting(("CONNECTION_TERMINATION_DEADLINE",), ("self_termination_deadline",)),
-    # Tuning: the data plane runs on one event loop until worker processes exist (issue 16); one loop is slower on a
-    # big node, never less safe, so these warn instead of failing (the chart sets two of them on every pod).
-    Setting(
-        _WORKER_VARIABLES,
-        ("worker_threads",),
-        Support.WARNS,
-        warns_when={
-            "ZTUNNEL_WORKER_THREADS": "4",
-            "ZTUNNEL_CPU_LIMIT": "4",
-            "ZTUNNEL_RESOURCE_CPU_LIMIT": "4",
-            "ZTUNNEL_RESOURCE_CPU_REQUEST": "500m",
-        },
-    ),
+    # The number of data-plane worker processes (ztunnel/workers/); the chart sets the CPU limit and request.
+    Setting(_WORKER_VARIABLES, ("worker_threads",)),
     Setting(("UNSTABLE_ENABLE_SOCKS5",), ("socks5_enabled", "socks5_addr")),
     # Routing only: it chooses how a PROXY-protocol app tunnel reaches the app, and there is no app tunnel yet
     # (issue 18), so nothing is weaker for it being ignored.
@@ -1064,6 +1041,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(("ZTUNNEL_READINESS_ADDR",), ("readiness_addr",)),
     Setting(("ZTUNNEL_CA_DIR",), ("ca_dir",)),
     Setting(("ZTUNNEL_VERIFY_SOURCE_IDENTITY",), ("verify_source_identity",)),
+    Setting(("ZTUNNEL_INLINE_DATA_PLANE",), ("inline_data_plane",)),
 )
 
 # Config fields no variable sets directly.

@@ -18,7 +18,7 @@ import gzip
 import logging
 import os
 import resource
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
@@ -109,6 +109,9 @@ class Registry:
         self.dynamic: list[Callable[[], Iterable[Metric]]] = []
         # prometheus-client registries of other components (their metrics are written with ours).
         self.extra: list[CollectorRegistry] = []
+        # With worker processes: everything collected here goes through this, which sums the workers' families
+        # into it (ztunnel/workers/supervisor.py); None in one process.
+        self.merge: Callable[[list[Metric]], list[Metric]] | None = None
         build = self.family("istio_build", "Istio component build info", "gauge")
         build.child((("component", "ztunnel"), ("tag", istio_version or __version__))).value = 1
 
@@ -211,6 +214,8 @@ def encode(registry: Registry, accept: str = "", accept_encoding: str = "") -> t
             # prometheus-client adds a _created sample per counter; upstream exports none.
             m.samples = [s for s in m.samples if not s.name.endswith("_created")]
             metrics.append(m)
+    if registry.merge is not None:
+        metrics = registry.merge(metrics)
     body = _write(metrics)
     headers = {"Content-Type": OPENMETRICS_TYPE if wants_openmetrics(accept) else PLAINTEXT_TYPE}
     if "gzip" in accept_encoding:
@@ -224,6 +229,8 @@ class StatsServer:
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
+        # Run before each scrape is written (with worker processes: fetch their families first).
+        self.before_scrape: Callable[[], Awaitable[None]] | None = None
         self._http: HttpServer | None = None
 
     @property
@@ -234,6 +241,8 @@ class StatsServer:
         from aiohttp import web
 
         async def metrics(request: web.Request) -> web.Response:
+            if self.before_scrape is not None:
+                await self.before_scrape()
             body, headers = encode(
                 self.registry,
                 ",".join(request.headers.getall("Accept", ())),

@@ -7,6 +7,7 @@ the certificate provider, TLS context cache and metrics of the process.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -37,6 +38,8 @@ class ProxyFactory:
     traffic: TrafficMetrics
     dns_metrics: DnsMetrics | None = None
     on_demand: OnDemand | None = None  # XDS_ON_DEMAND: the xDS client's demand, for every proxy
+    # In a worker process: every listener is shared with the other workers (SO_REUSEPORT), in-pod too.
+    shared_ports: bool = False
 
     def dns(self, local: LocalWorkload, sockets: SocketFactory, reuse_port: bool) -> DnsProxy | None:
         """The DNS proxy of one workload (ISTIO_META_DNS_CAPTURE), or None when DNS capture is off."""
@@ -67,15 +70,19 @@ class ProxyFactory:
             on_demand=self.on_demand,
         )
 
+    def socket_config(self) -> SocketConfig:
+        cfg = SocketConfig.from_config(self.config)
+        return dataclasses.replace(cfg, reuse_port=True) if self.shared_ports else cfg
+
     def host_sockets(self) -> SocketFactory:
-        return SocketFactory(SocketConfig.from_config(self.config))
+        return SocketFactory(self.socket_config())
 
     def dedicated(self, info: WorkloadInfo, drain: Drain) -> Proxy:
         return Proxy(self.inputs(info, self.host_sockets(), drain))
 
     async def start(self, uid: str, info: WorkloadInfo, netns: Netns) -> PodProxies:
         """Start a pod's listeners inside its namespace (the statemanager's ``ProxyFactory``)."""
-        sockets = InPodSocketFactory(SocketConfig.from_config(self.config), netns)
+        sockets = InPodSocketFactory(self.socket_config(), netns)
         proxy = Proxy(self.inputs(info, sockets, Drain(f"pod {uid}")))
         dns = self.dns(proxy.pi.local, sockets, reuse_port=self.config.inpod_port_reuse)
         if dns is not None:

@@ -53,6 +53,9 @@ class SocketConfig:
     # Outbound connections leave from this IP when set: a node bound to one address of a multi-address host (the
     # loopback demo's 127.0.1.1) is then seen by peers under that address, as a real node would be.
     source_ip: str | None = None
+    # Every listener sets SO_REUSEPORT, whatever its caller asks: each worker process binds the same addresses and
+    # the kernel spreads the connections (and DNS datagrams) over them.
+    reuse_port: bool = False
 
     @classmethod
     def from_config(cls, cfg: Config) -> SocketConfig:
@@ -323,7 +326,7 @@ class SocketFactory:
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if reuse_port:
+            if reuse_port or self.cfg.reuse_port:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 # [::] accepts IPv4 too (dual stack), as upstream's listeners do.
@@ -395,7 +398,7 @@ class SocketFactory:
         family = family_of(ip)
         sock = socket.socket(family, socket.SOCK_DGRAM)
         try:
-            if reuse_port:
+            if reuse_port or self.cfg.reuse_port:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if ip == ipaddress.IPv6Address("::") else 1)

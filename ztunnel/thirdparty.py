@@ -221,15 +221,20 @@ def _decide(patch: Patch) -> bool:
 _applied = False
 
 
-def apply() -> None:
+def apply(*, http_servers: bool = True) -> None:
     """Install the process-wide patches (idempotent) and decide the per-connection ones, so that every warning
-    appears at start. Raises :class:`PatchError` (before installing anything) when a required one cannot apply."""
+    appears at start. Raises :class:`PatchError` (before installing anything) when a required one cannot apply.
+
+    ``http_servers=False``: a process without HTTP servers (a data-plane worker) leaves aiohttp alone, and
+    unimported."""
     global _applied
     if _applied:
         return
-    usable = [(p, install) for p, install in _PROCESS_WIDE if enabled(p)]  # may raise: nothing installed yet
+    wanted = [(p, install) for p, install in _PROCESS_WIDE if http_servers or p is not AIOHTTP_HTTP11_ERRORS]
+    usable = [(p, install) for p, install in wanted if enabled(p)]  # may raise: nothing installed yet
     for p in PATCHES:
-        enabled(p)
+        if http_servers or p is not AIOHTTP_HTTP11_ERRORS:
+            enabled(p)
     for _, install in usable:
         install()
     _applied = True

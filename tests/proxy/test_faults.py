@@ -242,7 +242,8 @@ async def test_backend_killed_mid_stream(mesh: TwoNodeMesh, tmp_path: Path) -> N
     m = mesh
     nodes: list[ZtunnelProcess] = m.nodes  # type: ignore[attr-defined]
     nodes.append(await start(m.env_b(), tmp_path / "b.log"))
-    nodes.append(await start(m.env_a(), tmp_path / "a.log"))
+    # One worker on A: the test follows one pooled HBONE connection (each worker process has a pool of its own).
+    nodes.append(await start(m.env_a(ZTUNNEL_WORKER_THREADS="1"), tmp_path / "a.log"))
     echo_addr = (m.node_b, 9090)
     echo = await EchoServer().start(*echo_addr)
     backend = (m.node_b, 8080)

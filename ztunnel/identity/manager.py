@@ -360,6 +360,7 @@ class SecretManager:
         self._inflight = 0
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
+        self._watchers: list[Callable[[Identity, WorkloadCertificate | None], None]] = []
         # Counters for the admin page and tests.
         self.fetches_started = 0
         self.fetches_failed = 0
@@ -378,6 +379,7 @@ class SecretManager:
             return
         entry.forgotten = True
         entry.wake()
+        self._tell(identity, None)
         self._backoffs.pop(identity, None)
         match self._processing.get(identity):
             case None:
@@ -388,6 +390,19 @@ class SecretManager:
                 pass
 
     # -- more entry points -------------------------------------------------------------------------------------
+
+    def watch(self, callback: Callable[[Identity, WorkloadCertificate | None], None]) -> None:
+        """Call ``callback(identity, certificate)`` for each new certificate (a first fetch, a rotation) and
+        ``callback(identity, None)`` when an identity is forgotten: the control process pushes these to the worker
+        processes that hold the identity's certificate."""
+        self._watchers.append(callback)
+
+    def _tell(self, identity: Identity, cert: WorkloadCertificate | None) -> None:
+        for callback in self._watchers:
+            try:
+                callback(identity, cert)
+            except Exception:  # a watcher failing must not stop the manager
+                log.exception("certificate watcher failed for %s", identity)
 
     async def fetch_certificate_pri(self, identity: Identity, priority: Priority) -> WorkloadCertificate:
         """Like :meth:`fetch_certificate` with an explicit priority."""
@@ -537,6 +552,7 @@ class SecretManager:
         if cert is not None:
             self._backoffs.pop(identity, None)
             entry.update(CertificateState.available(cert))
+            self._tell(identity, cert)
             refresh_at = now + max(0.0, (cert.refresh_at - wall).total_seconds())
             log.debug("certificate fetch for %s succeeded; refresh in %.1fs", identity, refresh_at - now)
         else:

@@ -17,7 +17,7 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,6 +222,39 @@ class ConnectionManager:
                     record.closer(reason)
                 except Exception:  # one connection failing to close must not stop the others
                     logging.getLogger("ztunnel.proxy").exception("closing connection %d failed", record.id)
+
+
+def inbound_dump(c: ConnectionRecord) -> dict[str, Any]:
+    """Upstream's ``InboundConnectionDump``: what policy saw (client -> pod ip:target port), the service named by
+    the client if any, and HBONE (an mTLS peer) or TCP (15006)."""
+    src, dst = c.src, c.dst
+    if c.rbac is not None:
+        src, dst = (c.rbac.src_ip, c.rbac.src_port), (c.rbac.dst_ip, c.rbac.dst_port)
+    return {
+        "src": format_addr(*src),
+        "originalDst": c.dst_service.hostname if c.dst_service is not None else None,
+        "actualDst": format_addr(*dst),
+        "protocol": "HBONE" if c.src_identity is not None else "TCP",
+    }
+
+
+def outbound_dump(c: ConnectionRecord) -> dict[str, Any]:
+    """Upstream's ``OutboundConnection``: where the client was going, and where (and how) ztunnel sent it."""
+    return {
+        "src": format_addr(*c.src),
+        "originalDst": format_addr(*(c.original_dst or c.dst)),
+        "actualDst": format_addr(*c.dst),
+        "protocol": "HBONE" if c.mtls else "TCP",
+    }
+
+
+def connections_dump(records: Iterable[ConnectionRecord]) -> dict[str, list[dict[str, Any]]]:
+    """One pod's ``connections`` in the config dump's ``workloadState``: inbound and outbound, upstream's shapes."""
+    conns = list(records)
+    return {
+        "inbound": [inbound_dump(c) for c in conns if c.direction is Direction.INBOUND],
+        "outbound": [outbound_dump(c) for c in conns if c.direction is Direction.OUTBOUND],
+    }
 
 
 def log_failed(direction: Direction, src: tuple[IPAddress, int], dst: tuple[IPAddress, int] | None, error: str) -> None:

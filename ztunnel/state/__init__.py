@@ -49,11 +49,17 @@ class ProxyState:
         self.policies = PolicyStore()
         self.version = 0
         self._subscribers: list[Callable[[StateChange], None]] = []
+        self._observers: list[Callable[[StateUpdate, int], None]] = []
 
     def subscribe(self, callback: Callable[[StateChange], None]) -> Callable[[], None]:
         """Call ``callback`` after every applied batch; returns a function that unsubscribes."""
         self._subscribers.append(callback)
         return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
+
+    def observe(self, callback: Callable[[StateUpdate, int], None]) -> None:
+        """Call ``callback(update, version)`` with every batch once it is applied, in order (the control process
+        forwards each to its worker processes, which apply the same batches)."""
+        self._observers.append(callback)
 
     # -- lookups -------------------------------------------------------------------------------------------------
 
@@ -102,6 +108,8 @@ class ProxyState:
         self.version += 1
         for callback in list(self._subscribers):
             callback(change)
+        for observer in self._observers:
+            observer(update, self.version)
         return change
 
     def _remove_absent(self, update: StateUpdate) -> None:

@@ -316,6 +316,11 @@ class ZtunnelProcess:
             time.sleep(0.05)
         raise RuntimeError(f"ztunnel not ready after {timeout}s; log: {self.log_path}")
 
+    def children(self) -> list[int]:
+        """The pids of the process's children now (its worker processes), from ``/proc``."""
+        assert self.proc is not None
+        return children_of(self.proc.pid)
+
     def stop(self, timeout: float = 15.0) -> int:
         assert self.proc is not None
         if self.proc.poll() is None:
@@ -331,6 +336,23 @@ class ZtunnelProcess:
         return self.proc.returncode
 
 
+def children_of(pid: int) -> list[int]:
+    """The pids of ``pid``'s children (``/proc/<pid>/task/*/children``); none once it is gone."""
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    return sorted(out)
+
+
+def worker_pids(log: str) -> dict[int, int]:
+    """{worker index: pid} of the worker processes a ztunnel's log says it started, the latest of each."""
+    import re
+
+    return {int(i): int(pid) for i, pid in re.findall(r"worker (\d+) started \(pid (\d+)\)", log)}
+
+
 def with_parent_death_signal(argv: Sequence[str]) -> list[str]:
     """``argv`` wrapped so the process gets SIGKILL when the thread that starts it exits (``setpriv --pdeathsig``;
     it survives the exec into ``argv`` and through ``ip netns exec``). No ``preexec_fn``: forking a threaded
@@ -340,11 +362,13 @@ def with_parent_death_signal(argv: Sequence[str]) -> list[str]:
 
 @contextlib.asynccontextmanager
 async def running_app(env: Mapping[str, str]) -> AsyncIterator[object]:
-    """An in-process ztunnel (``App``) started from ``env``, drained on exit."""
+    """An in-process ztunnel (``App``) started from ``env``, drained on exit. Its data plane runs on the test's
+    loop (``ZTUNNEL_INLINE_DATA_PLANE=true`` unless ``env`` says otherwise), so a test can reach into it; worker
+    processes are tested through :class:`ZtunnelProcess`."""
     from ztunnel.app import build
     from ztunnel.config import from_env
 
-    app = build(from_env(env))
+    app = build(from_env({"ZTUNNEL_INLINE_DATA_PLANE": "true", **env}))
     await app.start()
     try:
         yield app

@@ -1,0 +1,697 @@
+"""The control process's side of the workers: it starts ``worker_threads`` worker processes, keeps each one's state
+and certificates current, hands them the pods, restarts the ones that die, and gathers what they know for the
+admin and stats servers.
+
+- Spawning: ``python -m ztunnel.workers`` with one end of a unix ``socketpair`` inherited (``pass_fds``), never a
+  fork of this process (it runs gRPC threads). The first messages are :class:`~ztunnel.workers.protocol.Start`,
+  a :class:`~ztunnel.workers.protocol.Snapshot` of the state and, in-pod, an ``AddPod`` per current pod.
+- State: every batch the control process applies (``ProxyState.observe``) goes to every worker as a ``Delta``,
+  encoded once; certificates are asked for by the workers and pushed to them when the secret manager rotates them.
+- Readiness: the ``workers`` task is released once every worker has said Ready (and caught up with the pods), and
+  blocks again while one is down.
+- Faults: a worker that exits is logged with its status and restarted after a backoff (0.1 s doubling to 10 s,
+  back to 0.1 s once one has run 30 s); the others carry on. A worker that cannot start during ztunnel's own start
+  (a port in use) fails the start, as the listener would have in one process.
+- Shutdown: ``Drain`` to every worker, which drains within the deadline and exits; what is left after it is
+  killed. A second SIGINT sends an immediate ``Drain``.
+- Metrics: at each scrape (and every second, so a worker that dies loses at most a second of counts) each worker's
+  families are fetched; counters and histograms are summed over the workers plus what the dead ones had counted
+  (kept, so no series goes backwards), gauges over the live ones (each worker's is its share).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Sample
+
+from ztunnel.config import Config, ProxyMode, SocketAddress, WorkloadInfo
+from ztunnel.errors import ZtunnelError
+from ztunnel.identity.certificate import WorkloadCertificate
+from ztunnel.identity.manager import CertificateProvider, CertificateUnavailable, SecretManager
+from ztunnel.identity.spiffe import Identity
+from ztunnel.inpod.netns import Netns, NetnsId
+from ztunnel.readiness import BlockReady, Readiness
+from ztunnel.sockets import SocketConfig, SocketFactory
+from ztunnel.state import ProxyState, StateUpdate
+from ztunnel.state.workload import NetworkAddress
+from ztunnel.tasks import TaskGroup
+from ztunnel.workers import protocol as p
+from ztunnel.workers.channel import Channel, ChannelClosed
+
+log = logging.getLogger("ztunnel.workers")
+
+READINESS_TASK = "workers"
+BACKOFF_INITIAL = 0.1
+BACKOFF_MAX = 10.0
+BACKOFF_RESET_AFTER = 30.0  # a worker that ran this long starts the backoff again from BACKOFF_INITIAL
+# How long a worker may take to answer a query or a pod change. Each is a few ms of work on its loop; a worker
+# that needs seconds is stuck, and an admin request or a ZDS ack must not hang on it.
+ANSWER_TIMEOUT = 10.0
+METRICS_POLL = 1.0
+# A worker's first Ready: an interpreter start plus imports (~0.5 s here) and binding its listeners.
+START_TIMEOUT = 60.0
+# After the drain deadline: time for a worker to close what it forced and exit before it is killed.
+EXIT_GRACE = 5.0
+# A worker whose channel ended without its process exiting is killed after this (it exits on its own at once).
+CHANNEL_GRACE = 1.0
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class WorkerStartError(ZtunnelError):
+    """A worker could not start while ztunnel was starting; the message says which and why."""
+
+
+OnDemand = Callable[[NetworkAddress], Awaitable[None]]
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """One worker slot: the process now in it (replaced on restart) and what the control process knows of it."""
+
+    index: int
+    proc: subprocess.Popen[bytes] | None = None
+    channel: Channel | None = None
+    pidfd: int | None = None
+    started: float = 0.0
+    ready: bool = False
+    generation: int | None = None
+    failure: str | None = None  # what its last process said before it gave up (Failed)
+    identities: set[Identity] = field(default_factory=set)
+    metrics: list[Metric] = field(default_factory=list)  # its last families (kept when it dies)
+    cpu: float = 0.0  # CPU seconds of the current process, last read
+    cpu_retained: float = 0.0  # CPU seconds of its earlier processes
+    opened_retained: float = 0.0  # connections its earlier processes opened
+    restarts: int = 0
+    backoff: float = BACKOFF_INITIAL
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    said_ready: asyncio.Event = field(default_factory=asyncio.Event)  # its current process sent Ready
+    # The first process's start: None once it is ready, else why it could not start (ztunnel's start fails).
+    started_result: asyncio.Future[str | None] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+
+@dataclass(frozen=True)
+class _Pod:
+    info: WorkloadInfo
+    netns: Netns
+
+
+class Supervisor:
+    """Starts and tends the worker processes; see the module docstring."""
+
+    def __init__(
+        self,
+        config: Config,
+        state: ProxyState,
+        certs: CertificateProvider,
+        readiness: Readiness,
+        *,
+        on_demand: OnDemand | None = None,
+        argv: Sequence[str] | None = None,
+    ) -> None:
+        self.config = config
+        self.state = state
+        self.certs = certs
+        self.readiness = readiness
+        self.on_demand = on_demand
+        # The worker command; the fd and this process's pid are appended.
+        self.argv = list(argv) if argv is not None else [sys.executable, "-m", "ztunnel.workers"]
+        self.handles = [WorkerHandle(i) for i in range(max(1, config.worker_threads))]
+        self.tasks = TaskGroup("supervisor")
+        self.pods: dict[str, _Pod] = {}
+        self.retained: list[Metric] = []  # counters and histograms of workers that exited
+        self.draining = False
+        self.starting = True
+        self._block: BlockReady | None = None
+
+    # -- start -----------------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start every worker and wait until each is serving. Raises :class:`WorkerStartError` (after stopping the
+        others) when one cannot start."""
+        self._block = self.readiness.register(READINESS_TASK)
+        if self.config.proxy_mode is ProxyMode.DEDICATED:
+            self._probe_ports()
+        self.state.observe(self._state_applied)
+        if isinstance(self.certs, SecretManager):
+            self.certs.watch(self._certificate_changed)
+        loop = asyncio.get_running_loop()
+        for h in self.handles:
+            h.started_result = loop.create_future()
+            self._spawn(h)
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(*(h.started_result for h in self.handles if h.started_result is not None)),
+                START_TIMEOUT,
+            )
+        except BaseException as e:
+            self.kill_all()
+            if isinstance(e, TimeoutError):
+                raise WorkerStartError(f"workers did not start within {START_TIMEOUT:g}s") from None
+            raise
+        errors = [r for r in results if r is not None]
+        if errors:
+            self.kill_all()
+            raise WorkerStartError(errors[0])
+        self.starting = False
+        self.tasks.spawn(self._poll_metrics(), "metrics poll")
+        log.info("%d worker process%s serving", len(self.handles), "" if len(self.handles) == 1 else "es")
+
+    def _probe_ports(self) -> None:
+        """Dedicated mode: fail now, as one process would, when a listener's address is taken. Each worker binds with
+        SO_REUSEPORT, which would otherwise share the port with any process of this user that also asks for it;
+        a plain bind here sees everyone holding it. Port 0 would give each worker a port of its own."""
+        cfg = self.config
+        addrs: list[tuple[str, SocketAddress]] = []
+        if cfg.enable_proxy:
+            addrs += [
+                ("inbound", cfg.inbound_addr),
+                ("inbound plaintext", cfg.inbound_plaintext_addr),
+                ("outbound", cfg.outbound_addr),
+            ]
+            if cfg.socks5_addr is not None:
+                addrs.append(("socks5", cfg.socks5_addr))
+        if cfg.dns_proxy:
+            addrs.append(("dns", cfg.dns_proxy_addr))
+        probe = SocketFactory(SocketConfig())
+        for name, addr in addrs:
+            if addr.port == 0:
+                if len(self.handles) > 1:
+                    raise WorkerStartError(
+                        f"the {name} listener's port is 0 (any): with {len(self.handles)} worker processes each would "
+                        "get a different port; give it a port, or set ZTUNNEL_WORKER_THREADS=1"
+                    )
+                continue
+            try:
+                socks = [s for s, _ in probe.listeners(addr, ipv6=cfg.ipv6_enabled)]
+                if name == "dns":
+                    socks += probe.udp_listeners(addr, ipv6=cfg.ipv6_enabled)
+            except OSError as e:
+                raise WorkerStartError(f"{name} listener {addr}: {e.strerror or e}") from None
+            for s in socks:
+                s.close()
+
+    # -- spawning and exits ----------------------------------------------------------------------------------------
+
+    def _spawn(self, h: WorkerHandle) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            proc = subprocess.Popen(
+                [*self.argv, str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
+        except OSError:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        h.proc = proc
+        h.started = time.monotonic()
+        h.ready = False
+        h.generation = None
+        h.failure = None
+        h.identities = set()
+        h.metrics = []
+        h.cpu = 0.0
+        h.exited = asyncio.Event()
+        h.said_ready = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        h.pidfd = os.pidfd_open(proc.pid)
+        loop.add_reader(h.pidfd, self._exited, h)
+        channel = h.channel = Channel(
+            ours,
+            lambda msg, fds: self._handle(h, channel, msg, fds),
+            lambda reason: self._channel_closed(h, channel, reason),
+            f"worker {h.index}",
+        )
+        on_demand = self.on_demand is not None
+        channel.send(p.Start(h.index, self.config, on_demand=on_demand))
+        channel.send(p.snapshot_of(self.state))
+        # In-pod: the pods it must serve before it counts as ready (a ZDS add meanwhile reaches it the usual way).
+        catch_up = [self._add_pod(h, uid, pod.info, pod.netns) for uid, pod in self.pods.items()]
+        self.tasks.spawn(self._become_ready(h, channel, catch_up), f"worker {h.index} start")
+        log.info("worker %d started (pid %d)", h.index, proc.pid)
+
+    async def _become_ready(self, h: WorkerHandle, channel: Channel, catch_up: Sequence[Awaitable[str | None]]) -> None:
+        errors = [e for e in await asyncio.gather(*catch_up) if e is not None]
+        for error in errors:
+            log.warning("worker %d: %s", h.index, error)
+        said_ready = h.said_ready
+        await said_ready.wait()  # usually long before the pods' acks; set on exit too
+        if h.channel is not channel:
+            return
+        h.ready = True
+        if h.started_result is not None and not h.started_result.done():
+            h.started_result.set_result(None)
+        log.info("worker %d (pid %s) ready", h.index, h.pid)
+        self._update_readiness()
+
+    def _exited(self, h: WorkerHandle) -> None:
+        loop = asyncio.get_running_loop()
+        assert h.pidfd is not None and h.proc is not None
+        loop.remove_reader(h.pidfd)
+        os.close(h.pidfd)
+        h.pidfd = None
+        code = h.proc.wait()
+        ran = time.monotonic() - h.started
+        self._retain(h)
+        if h.channel is not None:
+            h.channel.close("the worker exited")
+        h.ready = False
+        h.exited.set()
+        h.said_ready.set()  # wakes its start task, which sees the channel gone
+        self._update_readiness()
+        status = _status(code)
+        if self.draining:
+            level = logging.INFO if code == 0 else logging.WARNING
+            log.log(level, "worker %d (pid %d) %s", h.index, h.proc.pid, status)
+            return
+        first = h.started_result
+        if first is not None and not first.done():
+            log.error("worker %d (pid %d) %s before it was ready", h.index, h.proc.pid, status)
+            # What the worker said is what one process would have said (e.g. a listener's error), word for word.
+            first.set_result(h.failure or f"worker {h.index} {status} before it was ready")
+            return  # start() fails with it
+        if ran >= BACKOFF_RESET_AFTER:
+            h.backoff = BACKOFF_INITIAL
+        delay = h.backoff
+        h.backoff = min(h.backoff * 2, BACKOFF_MAX)
+        why = f" ({h.failure})" if h.failure else ""
+        log.warning(
+            "worker %d (pid %d) %s%s after %.1fs; restarting it in %gs",
+            h.index,
+            h.proc.pid,
+            status,
+            why,
+            ran,
+            delay,
+        )
+        self.tasks.spawn(self._restart(h, delay), f"restart worker {h.index}")
+
+    async def _restart(self, h: WorkerHandle, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if self.draining:
+            return
+        h.restarts += 1
+        try:
+            self._spawn(h)
+        except OSError as e:
+            retry = h.backoff
+            h.backoff = min(h.backoff * 2, BACKOFF_MAX)
+            log.error("worker %d could not be started: %s; trying again in %gs", h.index, e, retry)
+            self.tasks.spawn(self._restart(h, retry), f"restart worker {h.index}")
+
+    def _channel_closed(self, h: WorkerHandle, channel: Channel, reason: str) -> None:
+        if h.channel is not channel:
+            return
+        h.channel = None
+        h.ready = False
+        self._update_readiness()
+        proc = h.proc
+        if proc is None or self.draining or reason == "the worker exited":
+            return
+
+        def kill() -> None:
+            # Without its channel a worker is useless (no state, no certificates): end it, and the exit restarts it.
+            # A worker that is exiting closes its end first; give it a moment before saying anything.
+            if proc.poll() is None and h.proc is proc:
+                log.warning("worker %d (pid %d): channel ended (%s); killing it", h.index, proc.pid, reason)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+
+        asyncio.get_running_loop().call_later(CHANNEL_GRACE, kill)
+
+    def _update_readiness(self) -> None:
+        if self.draining:
+            return
+        if all(h.ready for h in self.handles):
+            if self._block is not None:
+                self._block.release()
+                self._block = None
+        elif self._block is None:
+            self._block = self.readiness.register(READINESS_TASK)
+
+    def live(self) -> list[WorkerHandle]:
+        """The workers with a channel now (starting or serving)."""
+        return [h for h in self.handles if h.channel is not None]
+
+    def kill_all(self) -> None:
+        for h in self.handles:
+            if h.proc is not None and h.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    h.proc.kill()
+
+    # -- messages from workers ---------------------------------------------------------------------------------------
+
+    def _handle(self, h: WorkerHandle, channel: Channel, msg: p.Message, fds: list[int]) -> None:
+        for fd in fds:  # workers send none
+            os.close(fd)
+        match msg:
+            case p.Ready():
+                h.generation = msg.generation
+                h.said_ready.set()
+            case p.Failed():
+                h.failure = msg.reason
+                log.error("worker %d (pid %s) cannot serve: %s", h.index, h.pid, msg.reason)
+            case p.Resync():
+                log.error(
+                    "worker %d lost track of the state (had batch %s, got %d): sending it a fresh snapshot",
+                    h.index,
+                    msg.have,
+                    msg.got,
+                )
+                channel.send(p.snapshot_of(self.state))
+            case p.CertificateRequest():
+                self.tasks.spawn(self._certificate(h, channel, msg), f"worker {h.index} certificate")
+            case p.OnDemandRequest():
+                self.tasks.spawn(self._on_demand(channel, msg), f"worker {h.index} on-demand")
+            case _:
+                log.warning("worker %d sent an unexpected %s", h.index, p.describe(msg))
+
+    async def _certificate(self, h: WorkerHandle, channel: Channel, req: p.CertificateRequest) -> None:
+        identity = req.identity
+        try:
+            cert = await self.certs.fetch_certificate(identity)
+        except CertificateUnavailable as e:
+            reply = p.CertificateReply(req.request_id, identity, None, str(e), e.reason)
+        except Exception as e:
+            reason = str(e) or type(e).__name__
+            reply = p.CertificateReply(
+                req.request_id, identity, None, f"no certificate for {identity}: {reason}", reason
+            )
+        else:
+            if h.channel is channel:
+                h.identities.add(identity)
+            reply = p.CertificateReply(req.request_id, identity, p.CertificateData.of(cert))
+        with contextlib.suppress(ChannelClosed):
+            channel.send(reply)
+
+    async def _on_demand(self, channel: Channel, req: p.OnDemandRequest) -> None:
+        try:
+            if self.on_demand is not None:
+                await self.on_demand(req.address)
+        except Exception as e:  # the worker decides without it, as after a timeout
+            log.warning("on-demand lookup of %s failed: %s", req.address, e)
+        with contextlib.suppress(ChannelClosed):
+            channel.send(p.OnDemandDone(req.request_id))
+
+    # -- what the workers are told ---------------------------------------------------------------------------------
+
+    def _state_applied(self, update: StateUpdate, version: int) -> None:
+        frame = p.encode(p.Delta(version, update))  # once, for every worker
+        for h in self.live():
+            assert h.channel is not None
+            with contextlib.suppress(ChannelClosed):
+                h.channel.send_frame(frame)
+
+    def _certificate_changed(self, identity: Identity, cert: WorkloadCertificate | None) -> None:
+        data: p.CertificateData | None = None
+        for h in self.live():
+            if identity not in h.identities:
+                continue
+            if cert is None:
+                h.identities.discard(identity)
+            elif data is None:
+                data = p.CertificateData.of(cert)
+            assert h.channel is not None
+            with contextlib.suppress(ChannelClosed):
+                h.channel.send(p.CertificatePush(identity, data))
+
+    def set_log_level(self, reset: bool, spec: str) -> None:
+        """The admin changed the log filter: the workers follow."""
+        for h in self.live():
+            assert h.channel is not None
+            with contextlib.suppress(ChannelClosed):
+                h.channel.send(p.SetLogLevel(reset, spec))
+
+    # -- pods (in-pod mode) ------------------------------------------------------------------------------------------
+
+    async def add_pod(self, uid: str, info: WorkloadInfo, netns: Netns) -> RemotePod:
+        """Start the pod's listeners in every worker; returns once all have (the ZDS ack waits for this). A worker
+        that fails fails the add (undone in the others); one that dies meanwhile gets the pod when it restarts."""
+        self.pods[uid] = _Pod(info, netns)
+        errors = [e for e in await asyncio.gather(*(self._add_pod(h, uid, info, netns) for h in self.live())) if e]
+        if errors:
+            await self.del_pod(uid)
+            raise ZtunnelError("; ".join(errors))
+        return RemotePod(self, uid, netns.id)
+
+    async def _add_pod(self, h: WorkerHandle, uid: str, info: WorkloadInfo, netns: Netns) -> str | None:
+        channel = h.channel
+        if channel is None:
+            return None
+        try:
+            ack = await asyncio.wait_for(channel.call(p.AddPod(uid, info), [netns.fd], p.Ack), ANSWER_TIMEOUT)
+        except ChannelClosed:
+            return None  # it died: its restart adds every current pod
+        except TimeoutError:
+            return f"worker {h.index} did not start the pod's proxies within {ANSWER_TIMEOUT:g}s"
+        return f"worker {h.index}: {ack.error}" if ack.error else None
+
+    async def del_pod(self, uid: str) -> None:
+        """Close the pod's listeners and connections in every worker; returns once all have."""
+        self.pods.pop(uid, None)
+
+        async def one(h: WorkerHandle) -> None:
+            channel = h.channel
+            if channel is None:
+                return
+            try:
+                ack = await asyncio.wait_for(channel.call(p.DelPod(uid), (), p.Ack), ANSWER_TIMEOUT)
+            except ChannelClosed:
+                return
+            except TimeoutError:
+                log.warning("worker %d did not stop %s's proxies within %gs", h.index, uid, ANSWER_TIMEOUT)
+                return
+            if ack.error:
+                log.warning("worker %d: stopping %s: %s", h.index, uid, ack.error)
+
+        await asyncio.gather(*(one(h) for h in self.live()))
+
+    # -- gathering -------------------------------------------------------------------------------------------------
+
+    async def _query(self, what: str) -> list[tuple[WorkerHandle, Any]]:
+        live = self.live()
+
+        async def one(h: WorkerHandle) -> Any:
+            assert h.channel is not None
+            reply = await asyncio.wait_for(h.channel.call(p.Query(what), (), p.Reply), ANSWER_TIMEOUT)
+            return reply.value
+
+        results = await asyncio.gather(*(one(h) for h in live), return_exceptions=True)
+        out = []
+        for h, r in zip(live, results, strict=True):
+            if isinstance(r, BaseException):
+                if not isinstance(r, ChannelClosed):
+                    log.warning("worker %d did not answer %s: %s", h.index, what, r or type(r).__name__)
+                continue
+            out.append((h, r))
+        return out
+
+    async def connections(self) -> list[dict[str, Any]]:
+        """The admin ``/connections`` rows of every worker, each with its ``worker`` index."""
+        return [row for _, rows in await self._query("connections") for row in rows]
+
+    async def pod_connections(self) -> dict[str, dict[str, list[Any]]]:
+        """Each pod's ``connections`` for the config dump's ``workloadState``, over every worker."""
+        out: dict[str, dict[str, list[Any]]] = {}
+        for _, pods in await self._query("pods"):
+            for uid, conns in pods.items():
+                entry = out.setdefault(uid, {"inbound": [], "outbound": []})
+                entry["inbound"] += conns["inbound"]
+                entry["outbound"] += conns["outbound"]
+        return out
+
+    async def refresh_metrics(self) -> None:
+        """Fetch every live worker's metric families (before a scrape)."""
+        for h, families in await self._query("metrics"):
+            h.metrics = families
+            h.cpu = _cpu_seconds(h.pid)
+
+    async def _poll_metrics(self) -> None:
+        while True:
+            await asyncio.sleep(METRICS_POLL)
+            await self.refresh_metrics()
+
+    def _retain(self, h: WorkerHandle) -> None:
+        """``h``'s process is gone: keep what it counted (not its gauges: what they measured is gone with it)."""
+        self.retained = merge_families([self.retained, h.metrics], counters_only=True)
+        h.opened_retained += _opened(h.metrics)
+        h.cpu_retained += h.cpu
+        h.metrics = []
+        h.cpu = 0.0
+
+    def merge_metrics(self, own: list[Metric]) -> list[Metric]:
+        """This process's families with the workers' summed in, then the per-worker view (at each scrape, after
+        :meth:`refresh_metrics`). Summed, not appended: both sides have e.g. ``process_open_fds``."""
+        live = [h.metrics for h in self.handles if h.channel is not None]
+        return merge_families([own, self.retained, *live]) + self._worker_metrics()
+
+    def _worker_metrics(self) -> list[Metric]:
+        unstable = "(unstable)"
+        up = Metric("ztunnel_worker_up", f"Whether the data-plane worker process is serving {unstable}", "gauge")
+        restarts = Metric(
+            "ztunnel_worker_restarts", f"The number of times the worker process was restarted {unstable}", "counter"
+        )
+        opened = Metric(
+            "ztunnel_worker_connections_opened",
+            f"The total number of TCP connections the worker opened, over its processes {unstable}",
+            "counter",
+        )
+        cpu = Metric(
+            "ztunnel_worker_cpu_seconds",
+            f"CPU time the worker's processes used, user and system {unstable}",
+            "counter",
+            "seconds",
+        )
+        for h in self.handles:
+            labels = {"worker": str(h.index)}
+            up.samples.append(Sample("ztunnel_worker_up", labels, 1.0 if h.ready else 0.0))
+            restarts.samples.append(Sample("ztunnel_worker_restarts_total", labels, float(h.restarts)))
+            live = h.metrics if h.channel is not None else []
+            opened.samples.append(
+                Sample("ztunnel_worker_connections_opened_total", labels, h.opened_retained + _opened(live))
+            )
+            cpu.samples.append(Sample("ztunnel_worker_cpu_seconds_total", labels, h.cpu_retained + h.cpu))
+        return [up, restarts, opened, cpu]
+
+    # -- shutdown --------------------------------------------------------------------------------------------------
+
+    async def drain(self, graceful: bool, deadline: float) -> None:
+        """Tell every worker to drain (``deadline`` seconds when graceful) and wait for them all to exit; kill what is
+        left ``EXIT_GRACE`` seconds after the deadline."""
+        self.draining = True
+        for h in self.live():
+            assert h.channel is not None
+            with contextlib.suppress(ChannelClosed):
+                h.channel.send(p.Drain(graceful, deadline))
+        waiting = [h.exited.wait() for h in self.handles if h.proc is not None and not h.exited.is_set()]
+        try:
+            await asyncio.wait_for(asyncio.gather(*waiting), (deadline if graceful else 0) + EXIT_GRACE)
+        except TimeoutError:
+            left = [h for h in self.handles if h.proc is not None and h.proc.poll() is None]
+            log.warning("worker(s) %s still running after the drain; killing them", [h.index for h in left])
+            self.kill_all()
+            waiting = [h.exited.wait() for h in left if not h.exited.is_set()]
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*waiting), EXIT_GRACE)
+        await self.tasks.cancel_all(timeout=1.0)
+
+    def force(self) -> None:
+        """A second SIGINT during the drain: every worker closes what it still has, now."""
+        for h in self.live():
+            assert h.channel is not None
+            with contextlib.suppress(ChannelClosed):
+                h.channel.send(p.Drain(False, 0.0))
+
+
+class RemotePod:
+    """A pod's proxies in every worker (the in-pod state manager's ``PodProxies``)."""
+
+    def __init__(self, supervisor: Supervisor, uid: str, netns_id: NetnsId) -> None:
+        self.supervisor = supervisor
+        self.uid = uid
+        self.netns_id = netns_id
+
+    async def stop(self, immediate: bool) -> None:
+        await self.supervisor.del_pod(self.uid)
+
+
+class PodFanout:
+    """The in-pod state manager's ``ProxyFactory`` in the multi-process data plane: a pod starts in every worker."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    async def start(self, uid: str, info: WorkloadInfo, netns: Netns) -> RemotePod:
+        return await self.supervisor.add_pod(uid, info, netns)
+
+
+# -- metrics ---------------------------------------------------------------------------------------------------------
+
+_SUMMED_ALWAYS = frozenset({"counter", "histogram", "summary"})
+
+
+def merge_families(sources: Iterable[Sequence[Metric]], *, counters_only: bool = False) -> list[Metric]:
+    """Families of several processes as one: each sample summed over the sources by (sample name, labels), in the
+    order first seen. ``counters_only`` leaves gauges (and anything not a count) out.
+
+    The one place the merge happens, so a smarter one (e.g. per-kind rules) replaces this function alone.
+    """
+    families: dict[str, Metric] = {}
+    index: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], int]] = {}
+    for source in sources:
+        for m in source:
+            if counters_only and m.type not in _SUMMED_ALWAYS:
+                continue
+            target = families.get(m.name)
+            if target is None:
+                target = families[m.name] = Metric(m.name, m.documentation, m.type, m.unit)
+                index[m.name] = {}
+            where = index[m.name]
+            for s in m.samples:
+                key = (s.name, tuple(sorted(s.labels.items())))
+                i = where.get(key)
+                if i is None:
+                    where[key] = len(target.samples)
+                    target.samples.append(Sample(s.name, dict(s.labels), s.value))
+                else:
+                    old = target.samples[i]
+                    target.samples[i] = old._replace(value=old.value + s.value)
+    return list(families.values())
+
+
+def _opened(families: Sequence[Metric]) -> float:
+    return sum(s.value for m in families if m.name == "istio_tcp_connections_opened" for s in m.samples)
+
+
+def _cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of a process (``/proc/<pid>/stat``), 0 if it is gone."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0.0
+    fields = stat.rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime: fields 14 and 15 of stat(5)
+
+
+def _status(code: int | None) -> str:
+    if code is None:
+        return "is gone"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with status {code}"
+
+
+__all__ = [
+    "PodFanout",
+    "RemotePod",
+    "Supervisor",
+    "WorkerHandle",
+    "WorkerStartError",
+    "merge_families",
+]
