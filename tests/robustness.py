@@ -73,8 +73,15 @@ def cpu_seconds(pid: int) -> float:
 
 
 def pid_of(node: ZtunnelProcess) -> int:
+    """The ztunnel's control process (admin, stats, readiness)."""
     assert node.proc is not None
     return node.proc.pid
+
+
+def data_plane_pid(node: ZtunnelProcess) -> int:
+    """The ztunnel's one worker process, which carries every tunnel (:func:`two_nodes` runs one per node)."""
+    (worker,) = node.children()
+    return worker
 
 
 def raise_nofile(need: int) -> int:
@@ -100,8 +107,9 @@ def raise_nofile(need: int) -> int:
 
 @contextmanager
 def two_nodes(workdir: Path, mesh: TwoNodeMesh, **extra: str) -> Iterator[tuple[ZtunnelProcess, ZtunnelProcess]]:
-    """Node B then node A as processes (image malloc settings plus ``extra``), stopped on exit."""
-    env = {**IMAGE_MALLOC_ENV, **extra}
+    """Node B then node A as processes (image malloc settings plus ``extra``), stopped on exit. Each runs one worker
+    process, so a node's data plane is one process to measure (:func:`data_plane_pid`)."""
+    env = {**IMAGE_MALLOC_ENV, "ZTUNNEL_WORKER_THREADS": "1", **extra}
     b = ZtunnelProcess(mesh.env_b(**env), workdir / "b.log").start()
     try:
         a = ZtunnelProcess(mesh.env_a(**env), workdir / "a.log").start()
@@ -249,7 +257,7 @@ async def measure_idle_tunnels(workdir: Path, n: int, **extra_env: str) -> IdleT
     raise_nofile(n + 512)
     mesh = TwoNodeMesh(workdir)
     with echo_process(mesh.server_app), two_nodes(workdir, mesh, **extra_env) as (a, b):
-        pids = {"a": pid_of(a), "b": pid_of(b)}
+        pids = {"a": data_plane_pid(a), "b": data_plane_pid(b)}
         # Warm up: the first tunnel dials the HBONE connection, fetches certificates, imports lazily.
         await close_tunnels(await open_tunnels(mesh, 1))
         await settle(list(pids.values()))
@@ -305,10 +313,10 @@ async def measure_stalled_handshakes(workdir: Path, n: int) -> StalledHandshakes
     raise_nofile(n + 512)
     mesh = TwoNodeMesh(workdir)
     hello = client_hello()
-    b = ZtunnelProcess(mesh.env_b(**IMAGE_MALLOC_ENV), workdir / "b.log").start()
+    b = ZtunnelProcess(mesh.env_b(**IMAGE_MALLOC_ENV, ZTUNNEL_WORKER_THREADS="1"), workdir / "b.log").start()
     socks: list[socket.socket] = []
     try:
-        pid = pid_of(b)
+        pid = data_plane_pid(b)
         await settle([pid])
         before = Sample.of(pid)
         loop = asyncio.get_running_loop()

@@ -34,9 +34,9 @@ from pathlib import Path
 from tests.robustness import (
     Tunnel,
     cpu_seconds,
+    data_plane_pid,
     echo_process,
     fd_count,
-    pid_of,
     raise_nofile,
     rss_kib,
     settle,
@@ -234,7 +234,7 @@ async def run(workdir: Path, duration: float, warmup: float, pool_release: float
         echo_process((mesh.plain, PLAIN_PORT)),
         two_nodes(workdir, mesh, **env) as (a, b),
     ):
-        pids = {"a": pid_of(a), "b": pid_of(b)}
+        pids = {"a": data_plane_pid(a), "b": data_plane_pid(b)}
         soak = Soak(mesh, pids)
         await settle(list(pids.values()))  # the readiness probes' connections are gone
         baseline = soak.sample()

@@ -167,7 +167,10 @@ async def dns_cluster(topology: tn.Topology, tmp_path: Path) -> AsyncIterator[Cl
 
 
 @contextlib.asynccontextmanager
-async def running_cluster(topo: tn.Topology, tmp_path: Path, dns: bool) -> AsyncIterator[Cluster]:
+async def running_cluster(
+    topo: tn.Topology, tmp_path: Path, dns: bool, extra_env: dict[str, str] | None = None
+) -> AsyncIterator[Cluster]:
+    """The cluster with its two ztunnels (``extra_env``: more of their environment)."""
     pods = {
         "client": topo.pod("node1", "client"),
         "server-a": topo.pod("node1", "server_a"),
@@ -215,6 +218,7 @@ async def running_cluster(topo: tn.Topology, tmp_path: Path, dns: bool) -> Async
                 "LOG_FORMAT": "json",
                 "ISTIO_META_DNS_CAPTURE": "true" if dns else "false",
                 "CONNECTION_TERMINATION_DEADLINE": "2s",
+                **(extra_env or {}),
             }
             with open(c.logs[node], "wb") as log:  # noqa: ASYNC230 - set-up, before any traffic
                 c.ztunnels[node] = nodes[node].popen(

@@ -25,10 +25,10 @@ from tests.robustness import (
     Tunnel,
     close_tunnels,
     cpu_seconds,
+    data_plane_pid,
     fd_count,
     measure_idle_tunnels,
     open_tunnels,
-    pid_of,
     raise_nofile,
     settle,
     two_nodes,
@@ -77,7 +77,7 @@ async def test_fd_exhaustion_fails_cleanly_and_recovers(tmp_path: Path, node: st
     try:
         with two_nodes(tmp_path, m) as (a, b):
             target = a if node == "a" else b
-            pid = pid_of(target)
+            pid = data_plane_pid(target)
             await close_tunnels(await open_tunnels(m, 1))  # the pooled HBONE connection, certificates, lazy imports
             await settle([pid])
             limit = fd_count(pid) + 60
@@ -170,7 +170,7 @@ async def test_stalled_stream_on_a_pooled_connection(tmp_path: Path) -> None:
     echo = await EchoServer().start(*m.server_app)
     try:
         with two_nodes(tmp_path, m) as (a, b):
-            pids = {"a": pid_of(a), "b": pid_of(b)}
+            pids = {"a": data_plane_pid(a), "b": data_plane_pid(b)}
             await close_tunnels(await open_tunnels(m, 1))
             await settle(list(pids.values()))
             base = {k: Sample.of(p) for k, p in pids.items()}
