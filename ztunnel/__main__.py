@@ -68,17 +68,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_proxy(config: Config) -> int:
-    from ztunnel.app import StartupError, run
     from ztunnel.config import LogFormat
-    from ztunnel.localconfig import LocalConfigError
     from ztunnel.telemetry import setup_logging
 
     setup_logging(config.log_level, json_format=config.log_format is LogFormat.JSON)
     _raise_nofile_limit()
+    prefork = None
+    if not config.inline_data_plane:
+        from ztunnel.workers.prefork import Preforked
+
+        # Now, while this process has one thread and has imported nothing of the control plane (the app, admin,
+        # xDS, aiohttp, gRPC come below): the workers share its pages and have none of those.
+        prefork = Preforked.start(config.worker_threads)
+    from ztunnel.app import StartupError, run
+    from ztunnel.localconfig import LocalConfigError
+
     try:
         import uvloop
 
-        return uvloop.run(run(config))
+        return uvloop.run(run(config, prefork))
     except (StartupError, LocalConfigError) as e:
         sys.stderr.write(f"error: {e}\n")
         return 1
@@ -86,6 +94,9 @@ def _run_proxy(config: Config) -> int:
         # A port already in use, a missing capability: say which and stop (nothing is half-bound).
         sys.stderr.write(f"error: {e}\n")
         return 1
+    finally:
+        if prefork is not None:
+            prefork.close()  # workers the start never took (it failed before): end them
 
 
 if __name__ == "__main__":

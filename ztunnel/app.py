@@ -40,6 +40,7 @@ from ztunnel.readiness import BlockReady, Readiness, ReadinessServer
 from ztunnel.state import ProxyState
 from ztunnel.state.workload import NetworkAddress
 from ztunnel.tasks import TaskGroup
+from ztunnel.workers.prefork import Preforked
 from ztunnel.workers.supervisor import PodFanout, RemotePod, Supervisor, WorkerStartError
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ class App:
     inpod_task: Any = None
 
     supervisor: Supervisor | None = None  # the worker processes (None: ZTUNNEL_INLINE_DATA_PLANE=true)
+    prefork: Preforked | None = None  # the first workers, forked by the CLI before any thread existed
 
     def __post_init__(self) -> None:
         self.registry = Registry(self.config.istio_version)
@@ -173,7 +175,7 @@ class App:
         the certificates, ZDS and the admin, stats and readiness servers, and never carries a tunnel's bytes."""
         assert self.certs is not None and self.stats_server is not None
         supervisor = self.supervisor = Supervisor(
-            self.config, self.state, self.certs, self.readiness, on_demand=self._on_demand()
+            self.config, self.state, self.certs, self.readiness, on_demand=self._on_demand(), prefork=self.prefork
         )
         self.registry.merge = supervisor.merge_metrics
         self.stats_server.before_scrape = supervisor.refresh_metrics
@@ -434,9 +436,11 @@ def install_signal_handlers(app: App) -> None:
         loop.add_signal_handler(sig, on_signal, sig)
 
 
-async def run(config: Config) -> int:
-    """Build, start and run ztunnel until it is told to stop; returns the exit status."""
+async def run(config: Config, prefork: Preforked | None = None) -> int:
+    """Build, start and run ztunnel until it is told to stop; returns the exit status. ``prefork``: worker processes
+    forked before the loop started (:meth:`ztunnel.workers.prefork.Preforked.start`)."""
     app = build(config)
+    app.prefork = prefork
     install_signal_handlers(app)
     await app.start()
     log.info("ztunnel started (mode %s)", config.proxy_mode.value)

@@ -61,6 +61,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoNodeMesh]:
     m = TwoNodeMesh(tmp_path_factory.mktemp("workers"))
     a, b = start_pair(m)
     try:
+        assert (len(a.children()), len(b.children())) == (2, 2)  # the tunnels below cross two worker processes
         yield m
     finally:
         codes = a.stop(), b.stop()
@@ -323,7 +324,7 @@ async def test_a_second_sigint_ends_the_drain_at_once(own: tuple[TwoNodeMesh, Zt
     try:
         conns = await open_echoed(m, 10)
         workers = a.children()
-        assert a.proc is not None
+        assert len(workers) == 2 and a.proc is not None
         a.proc.send_signal(signal.SIGINT)
         assert not await eventually(lambda: ready(m.node_a), 10, until=lambda r: not r)
         assert await echoes(conns[0])  # the first SIGINT drains gracefully (30 s)

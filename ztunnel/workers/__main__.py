@@ -1,5 +1,6 @@
-"""``python -m ztunnel.workers <fd> <control pid>``: one data-plane worker, started by the control process (never by
-hand) with its end of the channel as ``fd``.
+"""``python -m ztunnel.workers <fd> <control pid>``: one data-plane worker started as a new interpreter, with its
+end of the channel as ``fd``. The control process starts a worker this way when it replaces one (the first ones are
+forked at start: :mod:`ztunnel.workers.prefork`); never by hand.
 
 It dies with its parent: ``PR_SET_PDEATHSIG`` has the kernel SIGKILL it when the control process exits, however
 that happens (kill -9 included), and it exits by itself when the channel ends. A terminal's Ctrl-C reaches every
@@ -9,27 +10,12 @@ at once) and tells it.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import logging
 import os
 import signal
-import socket
 import sys
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def die_with_parent(parent: int) -> None:
-    """SIGKILL this process when its parent exits; exit now if the parent is already gone (it died before the
-    prctl took effect, and no signal will come)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        sys.stderr.write(f"error: ztunnel worker: prctl(PR_SET_PDEATHSIG): {os.strerror(err)}\n")
-        os._exit(1)
-    if os.getppid() != parent:
-        os._exit(1)
+from ztunnel.workers.prefork import serve_worker
+from ztunnel.workers.process import die_with_parent
 
 
 def main(argv: list[str]) -> int:
@@ -39,17 +25,7 @@ def main(argv: list[str]) -> int:
     fd, parent = int(argv[0]), int(argv[1])
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sock = socket.socket(fileno=fd)
-
-    import uvloop
-
-    from ztunnel.workers.channel import Channel
-    from ztunnel.workers.worker import Worker
-
-    worker = Worker(lambda handler, on_close: Channel(sock, handler, on_close, "control"))
-    code = uvloop.run(worker.run())
-    logging.shutdown()
-    return code
+    return serve_worker(fd)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 and certificates current, hands them the pods, restarts the ones that die, and gathers what they know for the
 admin and stats servers.
 
-- Spawning: ``python -m ztunnel.workers`` with one end of a unix ``socketpair`` inherited (``pass_fds``), never a
-  fork of this process (it runs gRPC threads). The first messages are :class:`~ztunnel.workers.protocol.Start`,
-  a :class:`~ztunnel.workers.protocol.Snapshot` of the state and, in-pod, an ``AddPod`` per current pod.
+- Spawning: the first workers were forked by the CLI before this process had a thread
+  (:mod:`ztunnel.workers.prefork`: they share its memory); a worker started later is a new interpreter,
+  ``python -m ztunnel.workers`` with one end of a unix ``socketpair`` inherited (``pass_fds``): this process never
+  forks once it runs gRPC threads. The first messages are :class:`~ztunnel.workers.protocol.Start`, a
+  :class:`~ztunnel.workers.protocol.Snapshot` of the state and, in-pod, an ``AddPod`` per current pod.
 - State: every batch the control process applies (``ProxyState.observe``) goes to every worker as a ``Delta``,
   encoded once; certificates are asked for by the workers and pushed to them when the secret manager rotates them.
 - Readiness: the ``workers`` task is released once every worker has said Ready (and caught up with the pods), and
@@ -50,6 +52,7 @@ from ztunnel.state.workload import NetworkAddress
 from ztunnel.tasks import TaskGroup
 from ztunnel.workers import protocol as p
 from ztunnel.workers.channel import Channel, ChannelClosed
+from ztunnel.workers.prefork import Preforked
 
 log = logging.getLogger("ztunnel.workers")
 
@@ -82,7 +85,9 @@ class WorkerHandle:
     """One worker slot: the process now in it (replaced on restart) and what the control process knows of it."""
 
     index: int
-    proc: subprocess.Popen[bytes] | None = None
+    pid: int | None = None  # its process now (forked at start, or a new interpreter)
+    returncode: int | None = None  # once that process was reaped: its status (negative: killed by that signal)
+    popen: subprocess.Popen[bytes] | None = None  # a new interpreter's Popen, told its status (no warning at exit)
     channel: Channel | None = None
     pidfd: int | None = None
     started: float = 0.0
@@ -102,8 +107,14 @@ class WorkerHandle:
     started_result: asyncio.Future[str | None] | None = None
 
     @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
+    def running(self) -> bool:
+        return self.pid is not None and self.returncode is None
+
+    def kill(self) -> None:
+        """SIGKILL its process, through its pidfd (never a pid that could have been reused)."""
+        if self.running and self.pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
 
 
 @dataclass(frozen=True)
@@ -123,6 +134,7 @@ class Supervisor:
         readiness: Readiness,
         *,
         on_demand: OnDemand | None = None,
+        prefork: Preforked | None = None,
         argv: Sequence[str] | None = None,
     ) -> None:
         self.config = config
@@ -130,7 +142,8 @@ class Supervisor:
         self.certs = certs
         self.readiness = readiness
         self.on_demand = on_demand
-        # The worker command; the fd and this process's pid are appended.
+        self.prefork = prefork  # the first workers, forked at start (ztunnel/workers/prefork.py)
+        # The command of a worker started later (a restart): the fd and this process's pid are appended.
         self.argv = list(argv) if argv is not None else [sys.executable, "-m", "ztunnel.workers"]
         self.handles = [WorkerHandle(i) for i in range(max(1, config.worker_threads))]
         self.tasks = TaskGroup("supervisor")
@@ -210,19 +223,9 @@ class Supervisor:
     # -- spawning and exits ----------------------------------------------------------------------------------------
 
     def _spawn(self, h: WorkerHandle) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            proc = subprocess.Popen(
-                [*self.argv, str(theirs.fileno()), str(os.getpid())],
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-            )
-        except OSError:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        h.proc = proc
+        pid, ours = self._start_process(h)
+        h.pid = pid
+        h.returncode = None
         h.started = time.monotonic()
         h.ready = False
         h.generation = None
@@ -233,7 +236,7 @@ class Supervisor:
         h.exited = asyncio.Event()
         h.said_ready = asyncio.Event()
         loop = asyncio.get_running_loop()
-        h.pidfd = os.pidfd_open(proc.pid)
+        h.pidfd = os.pidfd_open(pid)
         loop.add_reader(h.pidfd, self._exited, h)
         channel = h.channel = Channel(
             ours,
@@ -247,7 +250,39 @@ class Supervisor:
         # In-pod: the pods it must serve before it counts as ready (a ZDS add meanwhile reaches it the usual way).
         catch_up = [self._add_pod(h, uid, pod.info, pod.netns) for uid, pod in self.pods.items()]
         self.tasks.spawn(self._become_ready(h, channel, catch_up), f"worker {h.index} start")
-        log.info("worker %d started (pid %d)", h.index, proc.pid)
+        log.info("worker %d started (pid %d)", h.index, pid)
+
+    def _start_process(self, h: WorkerHandle) -> tuple[int, socket.socket]:
+        """A process for the worker and the control's end of its channel: one forked at start while there is one,
+        else a new interpreter (``python -m ztunnel.workers``)."""
+        h.popen = None
+        taken = self.prefork.take() if self.prefork is not None else None
+        if taken is not None:
+            return taken
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            h.popen = subprocess.Popen(
+                [*self.argv, str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
+        except OSError:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return h.popen.pid, ours
+
+    def _reap(self, h: WorkerHandle) -> None:
+        """Collect the exited worker's status into ``h.returncode`` (None if it cannot be had)."""
+        assert h.pid is not None
+        try:
+            _pid, status = os.waitpid(h.pid, 0)  # it has exited (its pidfd said so): this does not block
+        except ChildProcessError:
+            return
+        h.returncode = os.waitstatus_to_exitcode(status)
+        if h.popen is not None:
+            h.popen.returncode = h.returncode
 
     async def _become_ready(self, h: WorkerHandle, channel: Channel, catch_up: Sequence[Awaitable[str | None]]) -> None:
         errors = [e for e in await asyncio.gather(*catch_up) if e is not None]
@@ -265,11 +300,12 @@ class Supervisor:
 
     def _exited(self, h: WorkerHandle) -> None:
         loop = asyncio.get_running_loop()
-        assert h.pidfd is not None and h.proc is not None
+        assert h.pidfd is not None and h.pid is not None
         loop.remove_reader(h.pidfd)
+        self._reap(h)
         os.close(h.pidfd)
         h.pidfd = None
-        code = h.proc.wait()
+        code = h.returncode
         ran = time.monotonic() - h.started
         self._retain(h)
         if h.channel is not None:
@@ -281,11 +317,11 @@ class Supervisor:
         status = _status(code)
         if self.draining:
             level = logging.INFO if code == 0 else logging.WARNING
-            log.log(level, "worker %d (pid %d) %s", h.index, h.proc.pid, status)
+            log.log(level, "worker %d (pid %d) %s", h.index, h.pid, status)
             return
         first = h.started_result
         if first is not None and not first.done():
-            log.error("worker %d (pid %d) %s before it was ready", h.index, h.proc.pid, status)
+            log.error("worker %d (pid %d) %s before it was ready", h.index, h.pid, status)
             # What the worker said is what one process would have said (e.g. a listener's error), word for word.
             first.set_result(h.failure or f"worker {h.index} {status} before it was ready")
             return  # start() fails with it
@@ -297,7 +333,7 @@ class Supervisor:
         log.warning(
             "worker %d (pid %d) %s%s after %.1fs; restarting it in %gs",
             h.index,
-            h.proc.pid,
+            h.pid,
             status,
             why,
             ran,
@@ -324,17 +360,16 @@ class Supervisor:
         h.channel = None
         h.ready = False
         self._update_readiness()
-        proc = h.proc
-        if proc is None or self.draining or reason == "the worker exited":
+        pid = h.pid
+        if pid is None or self.draining or reason == "the worker exited":
             return
 
         def kill() -> None:
             # Without its channel a worker is useless (no state, no certificates): end it, and the exit restarts it.
             # A worker that is exiting closes its end first; give it a moment before saying anything.
-            if proc.poll() is None and h.proc is proc:
-                log.warning("worker %d (pid %d): channel ended (%s); killing it", h.index, proc.pid, reason)
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
+            if h.running and h.pid == pid:
+                log.warning("worker %d (pid %d): channel ended (%s); killing it", h.index, pid, reason)
+                h.kill()
 
         asyncio.get_running_loop().call_later(CHANNEL_GRACE, kill)
 
@@ -354,9 +389,7 @@ class Supervisor:
 
     def kill_all(self) -> None:
         for h in self.handles:
-            if h.proc is not None and h.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    h.proc.kill()
+            h.kill()
 
     # -- messages from workers ---------------------------------------------------------------------------------------
 
@@ -582,11 +615,11 @@ class Supervisor:
             assert h.channel is not None
             with contextlib.suppress(ChannelClosed):
                 h.channel.send(p.Drain(graceful, deadline))
-        waiting = [h.exited.wait() for h in self.handles if h.proc is not None and not h.exited.is_set()]
+        waiting = [h.exited.wait() for h in self.handles if h.pid is not None and not h.exited.is_set()]
         try:
             await asyncio.wait_for(asyncio.gather(*waiting), (deadline if graceful else 0) + EXIT_GRACE)
         except TimeoutError:
-            left = [h for h in self.handles if h.proc is not None and h.proc.poll() is None]
+            left = [h for h in self.handles if h.running]
             log.warning("worker(s) %s still running after the drain; killing them", [h.index for h in left])
             self.kill_all()
             waiting = [h.exited.wait() for h in left if not h.exited.is_set()]

@@ -7,8 +7,9 @@ generation order); certificates asked of the control process and kept until it p
 through ``SO_REUSEPORT``; in-pod: every pod's, in the pod's namespace from the fd the control process passes), the
 DNS proxy beside them, and its own metrics, which the control process asks for at each scrape.
 
-It imports no gRPC, no aiohttp and none of the control-plane clients (xDS, CA, ZDS, admin): a worker costs an
-interpreter, the proxy's modules and its connections (tests/workers/test_worker_imports.py checks the imports).
+It imports no gRPC, no aiohttp and none of the control-plane clients (xDS, CA, ZDS, admin): a worker costs the
+proxy's modules (shared with the control process when it was forked at start, :mod:`ztunnel.workers.prefork`) and
+its connections (tests/workers/test_worker_imports.py checks the imports).
 
 It serves only after its snapshot, and exits when told to drain, when its channel ends (the control process went
 away) or, through ``PR_SET_PDEATHSIG``, with its parent.
@@ -50,6 +51,7 @@ from ztunnel.state.workload import NetworkAddress
 from ztunnel.tasks import TaskGroup
 from ztunnel.workers import protocol as p
 from ztunnel.workers.channel import Channel, Handler
+from ztunnel.workers.process import set_name
 
 log = logging.getLogger("ztunnel.workers")
 
@@ -189,6 +191,9 @@ class Worker:
         self.channel.send(msg)
 
     def _closed(self, reason: str) -> None:
+        if self.config is None:  # never started (a preforked worker ztunnel did not need): nothing to say
+            self._exit(0)
+            return
         if self._draining is None:
             log.warning("worker %d: channel to the control process ended (%s); exiting", self.index, reason)
         self._exit(0 if self._draining is not None else 1)
@@ -196,6 +201,7 @@ class Worker:
     def _start(self, msg: p.Start) -> None:
         cfg = self.config = msg.config
         self.index = msg.index
+        set_name(f"zt-worker-{self.index}")  # in ps and /proc/<pid>/comm
         telemetry.setup_logging(cfg.log_level, json_format=cfg.log_format is LogFormat.JSON)
         thirdparty.apply(http_servers=False)
         self.state = ProxyState(cfg.node_name)
