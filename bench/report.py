@@ -183,7 +183,7 @@ def variant_ratios(
             if not base:
                 continue
             for w, v in values.items():
-                if w != ref:
+                if w != ref and not (ref == "1" and w == "inline"):  # inline is the baseline, not compared
                     pairs[(sc, case, key, pooled, w, ref)].append(v / base)
     return [
         {"scenario": sc, "case": case, "metric": key, "mode": mode, "workers": w, "vs_workers": ref, **_spread(vals)}
@@ -518,6 +518,12 @@ _VARIANT_RATIO_LABELS = {
 }
 
 
+def _rep_label(condition: Mapping[str, Any]) -> str:
+    """A repetition as the report names it: ``2``, or ``2 (2 workers)`` in a run comparing process models."""
+    w = condition.get("workers")
+    return f"{condition['rep']} ({variant_label(w)})" if w else str(condition["rep"])
+
+
 def markdown(doc: Mapping[str, Any], charts: Mapping[str, str]) -> str:
     """The whole report: header with the machine, targets, one table (and chart) per scenario, notes."""
     env = doc["environment"]
@@ -543,8 +549,7 @@ def markdown(doc: Mapping[str, Any], charts: Mapping[str, str]) -> str:
     noisy = [c for c in doc.get("conditions", []) if c.get("foreign_cpu_share", 0) + c.get("steal_share", 0) > 0.1]
     if doc.get("conditions"):
         shares = ", ".join(
-            f"{c['rep']}{' (' + variant_label(c['workers']) + ')' if c.get('workers') else ''}: "
-            f"{c.get('foreign_cpu_share', 0) + c.get('steal_share', 0):.0%}"
+            f"{_rep_label(c)}: {c.get('foreign_cpu_share', 0) + c.get('steal_share', 0):.0%}"
             for c in doc["conditions"]
             if "foreign_cpu_share" in c
         )
@@ -552,7 +557,7 @@ def markdown(doc: Mapping[str, Any], charts: Mapping[str, str]) -> str:
             out += [f"Share of the machine taken by other processes or the hypervisor, per repetition: {shares}.", ""]
     if noisy:
         out += [
-            f"**Warning: repetition(s) {', '.join(str(c['rep']) for c in noisy)} ran while other processes used more "
+            f"**Warning: repetition(s) {', '.join(_rep_label(c) for c in noisy)} ran while other processes used more "
             "than 10% of the machine; their numbers are unreliable. Rerun on a quiet machine.**",
             "",
         ]
