@@ -6,6 +6,7 @@ Examples::
     python -m bench --quick               # under 3 minutes
     python -m bench --quick --modes hbone,envoy --scenarios throughput,latency
     python -m bench --smoke --out /tmp/b  # seconds; what `make test` runs
+    python -m bench --quick --workers 1,2 --modes tcp,hbone --scenarios throughput,latency,connrate
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from bench.processes import parse_workers
 from bench.profiles import PROFILES
 from bench.runner import Options, main_run, parse_env
 from bench.scenarios import SCENARIOS
@@ -65,7 +67,23 @@ def parser() -> argparse.ArgumentParser:
         help="loopback: two nodes on 127/8, clients enter ztunnel by SOCKS5 (default); "
         "netns: pods in network namespaces with iptables capture and in-pod ztunnels (root only; no envoy mode)",
     )
+    p.add_argument(
+        "--workers",
+        type=_workers,
+        default=(),
+        metavar="LIST",
+        help="process models to compare, e.g. 1,2 or inline,1,2: each worker count runs the data-path scenarios "
+        "with ZTUNNEL_WORKER_THREADS=N, inline as one process (ZTUNNEL_INLINE_DATA_PLANE=true); the inline "
+        "process's idle memory is measured in any case (the memory target's baseline)",
+    )
     return p
+
+
+def _workers(text: str) -> tuple[str, ...]:
+    try:
+        return parse_workers(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -84,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         out=args.out,
         ztunnel_env=env,
         topology=args.topology,
-        update_latest=args.profile != "smoke",
+        update_latest=args.profile != "smoke" and not args.workers,
+        workers=args.workers,
     )
     try:
         main_run(opts)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -146,17 +146,18 @@ class LoopbackTopology:
     def _needs_ztunnel(self) -> bool:
         return "tcp" in self.modes or "hbone" in self.modes
 
-    def start_proxies(self, logdir: Path, rep: int = 0) -> None:
-        """Start fresh proxies for repetition ``rep`` (in parallel), logs in ``logdir``."""
+    def start_proxies(self, logdir: Path, rep: int = 0, env: Mapping[str, str] | None = None) -> None:
+        """Start fresh proxies for repetition ``rep`` (in parallel), logs in ``logdir``; ``env`` is added to the
+        ztunnels' environment for this start (a process model of ``--workers``)."""
         self.rep = rep
         logdir.mkdir(parents=True, exist_ok=True)
         self._logdir = logdir
         jobs: list[Callable[[], object]] = []
         if self._needs_ztunnel():
-            env = {"RUST_LOG": "warn", **self.ztunnel_env}
+            zenv = {"RUST_LOG": "warn", **self.ztunnel_env, **(env or {})}
             self.ztunnels = {
-                "ztunnel-a": ZtunnelProcess(self.mesh.env_a(**env), logdir / "ztunnel-a.log"),
-                "ztunnel-b": ZtunnelProcess(self.mesh.env_b(**env), logdir / "ztunnel-b.log"),
+                "ztunnel-a": ZtunnelProcess(self.mesh.env_a(**zenv), logdir / "ztunnel-a.log"),
+                "ztunnel-b": ZtunnelProcess(self.mesh.env_b(**zenv), logdir / "ztunnel-b.log"),
             }
             jobs += [z.start for z in self.ztunnels.values()]
         if "envoy" in self.modes:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -125,8 +126,9 @@ class NamespacedTopology:
     def client_prefix(self, name: str) -> list[str]:
         return self.pods[name].command([])
 
-    def start_proxies(self, logdir: Path, rep: int = 0) -> None:
+    def start_proxies(self, logdir: Path, rep: int = 0, env: Mapping[str, str] | None = None) -> None:
         self.rep = rep
+        extra = dict(env or {})
         logdir.mkdir(parents=True, exist_ok=True)
         if "tcp" not in self.modes and "hbone" not in self.modes:
             return
@@ -142,6 +144,7 @@ class NamespacedTopology:
                 "ISTIO_META_DNS_CAPTURE": "false",
                 "RUST_LOG": "warn",
                 **self.ztunnel_env,
+                **extra,
             }
             self.logs[name] = logdir / f"{name}.log"
             with open(self.logs[name], "wb") as log:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import resource
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -56,6 +56,122 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def pss_bytes(pid: int) -> int:
+    """Proportional set size of ``pid`` (``Pss`` from ``smaps_rollup``): its private pages plus its share of the
+    pages it shares with other processes, so the PSS of processes that share code adds up to what they hold
+    together (a sum of RSS counts shared pages once per process); 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+# -- a proxy's processes: the control process and its data-plane workers -------------------------------------------
+#
+# A ztunnel with ZTUNNEL_WORKER_THREADS=N runs N worker processes beside its control process, each started as
+# ``python -m ztunnel.workers --index I`` (the convention agreed with the process model's implementation; see
+# docs/process-model.md). A proxy's processes are found as the descendants of the process the harness started, and
+# a worker is named by the ``--index`` on its command line, whatever the module ("ztunnel-a/w0"); a descendant
+# without one (a helper) is named by its pid ("ztunnel-a/p1234"), so its CPU is still counted.
+
+
+def worker_index(argv: Sequence[str]) -> int | None:
+    """The ``--index I`` (or ``--index=I``) of a worker's command line; None when there is none or it is not a
+    number."""
+    for i, arg in enumerate(argv):
+        value: str | None = None
+        if arg == "--index" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--index="):
+            value = arg.partition("=")[2]
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def cmdline(pid: int) -> list[str]:
+    """``/proc/<pid>/cmdline`` split at its NULs (empty if the process is gone or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]] if raw else []
+
+
+def _parents() -> dict[int, int]:
+    """{pid: parent pid} of every process now."""
+    out: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(entry.name)] = int(fields[1])
+    return out
+
+
+def descendants(pid: int, parents: Mapping[int, int] | None = None) -> list[int]:
+    """Every process below ``pid`` (children, their children, ...), in pid order."""
+    parents = _parents() if parents is None else parents
+    children: dict[int, list[int]] = {}
+    for child, parent in parents.items():
+        children.setdefault(parent, []).append(child)
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            out.append(child)
+            todo.append(child)
+    return sorted(out)
+
+
+def process_tree(pids: Mapping[str, int]) -> dict[str, int]:
+    """``pids`` and, for each, its descendants as ``<name>/w<index>`` (workers) or ``<name>/p<pid>``."""
+    parents = _parents()
+    out: dict[str, int] = {}
+    for name, pid in pids.items():
+        out[name] = pid
+        for child in descendants(pid, parents):
+            index = worker_index(cmdline(child))
+            key = f"{name}/w{index}" if index is not None else f"{name}/p{child}"
+            if key in out:  # two live processes claim one index (a restart caught mid-way): keep both
+                key = f"{name}/p{child}"
+            out[key] = child
+    return out
+
+
+def owner(name: str) -> str:
+    """The proxy a process name of :func:`process_tree` belongs to (``ztunnel-a/w1`` -> ``ztunnel-a``)."""
+    return name.partition("/")[0]
+
+
+def per_proxy(values: Mapping[str, float], proxies: Iterable[str]) -> dict[str, float]:
+    """``values`` of :func:`process_tree` names summed per proxy (a proxy's processes together)."""
+    out = dict.fromkeys(proxies, 0.0)
+    for name, v in values.items():
+        p = owner(name)
+        if p in out:
+            out[p] += v
+    return out
+
+
+def workers_of(names: Iterable[str], proxy: str) -> list[str]:
+    """The worker processes of ``proxy`` among ``names`` (``<proxy>/w<index>``), by index."""
+    found = [n for n in names if n.startswith(proxy + "/w") and n[len(proxy) + 2 :].isdigit()]
+    return sorted(found, key=lambda n: int(n[len(proxy) + 2 :]))
+
+
 def cpu_snapshot(pids: Mapping[str, int]) -> dict[str, float]:
     """CPU seconds of each named process now."""
     return {name: cpu_seconds(pid) for name, pid in pids.items()}
@@ -68,6 +184,14 @@ def cpu_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[s
 
 def rss_snapshot(pids: Mapping[str, int]) -> dict[str, int]:
     return {name: rss_bytes(pid) for name, pid in pids.items()}
+
+
+def uss_snapshot(pids: Mapping[str, int]) -> dict[str, int]:
+    return {name: uss_bytes(pid) for name, pid in pids.items()}
+
+
+def pss_snapshot(pids: Mapping[str, int]) -> dict[str, int]:
+    return {name: pss_bytes(pid) for name, pid in pids.items()}
 
 
 def total(values: Mapping[str, float], names: Iterable[str]) -> float:

@@ -29,17 +29,26 @@ class Recorder:
     notes: list[str] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)
     conditions: list[dict[str, Any]] = field(default_factory=list)
+    # What each start of the proxies was made of (bench.processes.found): processes, workers, idle memory.
+    processes: list[dict[str, Any]] = field(default_factory=list)
+    # The process model (``--workers``) being measured: stamped on every sample as "workers".
+    variant: str | None = None
 
     def add(self, scenario: str, case: str, mode: str, rep: int, metrics: dict[str, Any], **raw: Any) -> None:
         """One sample (``rep`` counts from 0); ``raw`` keeps the unaggregated values (round-trip times)."""
         sample: dict[str, Any] = {"scenario": scenario, "case": case, "mode": mode, "rep": rep + 1, "metrics": metrics}
+        if self.variant is not None:
+            sample["workers"] = self.variant
         if raw:
             sample["raw"] = raw
         self.samples.append(sample)
 
     def failed(self, scenario: str, case: str, mode: str, rep: int, error: Exception) -> None:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        self.failures.append({"scenario": scenario, "case": case, "mode": mode, "rep": rep + 1, "error": message})
+        failure = {"scenario": scenario, "case": case, "mode": mode, "rep": rep + 1, "error": message}
+        if self.variant is not None:
+            failure["workers"] = self.variant
+        self.failures.append(failure)
         self.add(scenario, case, mode, rep, {"errors": [message], "failed": True})
         self.progress.say(f"rep {rep + 1} {scenario} {case} {mode}: FAILED: {message}")
 
@@ -54,6 +63,7 @@ class Recorder:
         Markdown also as ``bench/results/latest*`` (what the README shows)."""
         summary = report.summarize(self.samples)
         ratio_rows = report.ratios(self.samples)
+        variant_rows = report.variant_ratios(self.samples, self.processes)
         doc: dict[str, Any] = {
             "schema": 1,
             "meta": meta,
@@ -61,11 +71,13 @@ class Recorder:
             "samples": self.samples,
             "summary": summary,
             "ratios": ratio_rows,
-            "targets": report.targets(ratio_rows, summary),
+            "variant_ratios": variant_rows,
+            "targets": report.targets(ratio_rows, summary, variant_rows, self.processes),
             "skipped": self.skipped,
             "log_issues": self.log_issues,
             "failures": self.failures,
             "conditions": self.conditions,
+            "processes": self.processes,
             "envoy_stats": self.envoy_stats,
             "notes": self.notes,
         }

@@ -26,12 +26,14 @@ from typing import Any
 
 from bench import environment
 from bench.clients import Clients, WorkerError
+from bench.processes import INLINE, found, label, mismatch, variant_env
 from bench.procstat import (
     LoadSnapshot,
     cpu_snapshot,
     kernel_threads_cpu,
     load_share,
     machine_cpu,
+    process_tree,
     time_wait_sockets,
 )
 from bench.profiles import Profile
@@ -78,6 +80,7 @@ class Options:
     ztunnel_env: dict[str, str] = field(default_factory=dict)
     topology: str = "loopback"
     update_latest: bool = True
+    workers: tuple[str, ...] = ()  # process models to compare (bench.processes); () = the ztunnel's default
 
 
 class Run:
@@ -97,6 +100,9 @@ class Run:
         self.clients = Clients(self.workdir)
         self.modes = self._usable_modes(opts.modes)
         self.scenarios = tuple(s for s in SCENARIOS if s in opts.scenarios)
+        # Process models: each runs the data-path scenarios; the inline baseline's idle memory is taken anyway.
+        self.variants: tuple[str | None, ...] = opts.workers or (None,)
+        self.idle_only: tuple[str, ...] = () if not opts.workers or INLINE in opts.workers else (INLINE,)
         ctx = Context(
             self.p,
             self.modes,
@@ -135,7 +141,8 @@ class Run:
         return tuple(modes)
 
     def _planned_seconds(self) -> float:
-        per_rep = self._start_weight() + sum(s.seconds() for s in self.data)
+        per_rep = (self._start_weight() + sum(s.seconds() for s in self.data)) * len(self.variants)
+        per_rep += 2.0 * len(self.idle_only)
         total = per_rep * self.reps
         if self.controlplane is not None:
             total += self.controlplane.seconds()
@@ -177,16 +184,55 @@ class Run:
         return self._write(env, time.monotonic() - t0, topo)
 
     def _repetition(self, topo: Topology, rep: int) -> None:
+        """Every process model (``--workers``) in turn, in an order rotated by one per repetition; with none, the
+        ztunnel's default."""
+        for variant in rotated([*self.variants, *self.idle_only], rep):
+            self.recorder.variant = variant
+            try:
+                if variant in self.idle_only:
+                    self._idle_only(topo, rep, variant)
+                else:
+                    self._variant(topo, rep, variant)
+            finally:
+                self.recorder.variant = None
+
+    def _start(self, topo: Topology, rep: int, variant: str | None, logdir: Path) -> None:
+        """Start the proxies with ``variant``'s environment, let them settle, and record what processes they are
+        made of and their idle memory."""
+        topo.start_proxies(logdir, rep, variant_env(variant) if variant is not None else None)
+        wait_settled(self.p.settle)
+        record = found(topo.proxy_pids(), variant, rep)
+        self.recorder.processes.append(record)
+        problem = mismatch(record, [p for p in record["proxies"] if p.startswith("ztunnel")])
+        if problem is not None:
+            self.progress.say(f"  ! {problem}")
+            if problem not in self.recorder.notes:
+                self.recorder.notes.append(problem)
+
+    def _idle_only(self, topo: Topology, rep: int, variant: str) -> None:
+        """The baseline of the memory target: start, settle, idle memory (in :meth:`_start`), stop."""
+        self.progress.say(f"repetition {rep + 1}/{self.reps}: starting proxies ({label(variant)}, idle memory only)")
+        logdir = self.workdir / f"rep{rep + 1}-{variant}"
+        try:
+            self._start(topo, rep, variant, logdir)
+        finally:
+            self.recorder.issues(topo.stop_proxies(), rep + 1)
+        self.progress.step(2.0, f"rep {rep + 1} {label(variant)}: idle memory taken")
+
+    def _variant(self, topo: Topology, rep: int, variant: str | None) -> None:
         """Fresh proxies; idle memory; warm-up; throughput, latency, connrate; then fresh proxies again for the
         idle-connection memory samples, which come last because opening 10,000 tunnels churns the machine's ports
         (see bench/README.md) and would slow every connection opened after it."""
         order = rotated(self.modes, rep)
         rec = self.recorder
-        self.progress.say(f"repetition {rep + 1}/{self.reps}: starting proxies")
+        suffix = f"-{variant}" if variant is not None else ""
+        what = f" ({label(variant)})" if variant is not None else ""
+        self.progress.say(f"repetition {rep + 1}/{self.reps}: starting proxies{what}")
         rec.conditions.append({"rep": rep + 1, "time_wait_at_start": time_wait_sockets()})
-        topo.start_proxies(self.workdir / f"rep{rep + 1}", rep)
+        if variant is not None:
+            rec.conditions[-1]["workers"] = variant
+        self._start(topo, rep, variant, self.workdir / f"rep{rep + 1}{suffix}")
         try:
-            wait_settled(self.p.settle)
             load0 = self._load_snapshot(topo)
             for scenario in self.data:
                 scenario.after_start(topo, rep)
@@ -214,7 +260,7 @@ class Run:
         for scenario in self.data:
             if scenario.fresh_proxies is None:
                 continue
-            topo.start_proxies(self.workdir / f"rep{rep + 1}-{scenario.name}", rep)
+            self._start(topo, rep, variant, self.workdir / f"rep{rep + 1}{suffix}-{scenario.name}")
             rec.conditions[-1][f"time_wait_before_{scenario.name}"] = time_wait_sockets()
             try:
                 self.progress.step(2.0, f"rep {rep + 1} proxies restarted for {scenario.fresh_proxies}")
@@ -224,7 +270,7 @@ class Run:
 
     def _load_snapshot(self, topo: Topology) -> LoadSnapshot:
         """(wall, machine busy CPU, machine steal, CPU of this run's own processes and of kernel threads) now."""
-        pids = {**topo.pids(), "orchestrator": os.getpid()}
+        pids = {**process_tree(topo.pids()), "orchestrator": os.getpid()}
         for name, pid in self.clients.pids().items():
             pids[f"client-{name}"] = pid
         busy, steal = machine_cpu()
@@ -244,6 +290,8 @@ class Run:
             "scenarios": list(self.scenarios),
             "topology": self.opts.topology,
             "topology_detail": topo.describe() if topo is not None else None,
+            "workers": list(self.opts.workers),
+            "workers_idle_only": list(self.idle_only),
             "argv": sys.argv,
         }
         self.recorder.write(self.outdir, meta, env, latest=self.opts.update_latest and self.opts.out is None)

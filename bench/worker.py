@@ -14,8 +14,8 @@ once ztunnel has established the tunnel (its SOCKS5 answers after connecting, un
 
 Commands (``op``): ``throughput``, ``latency``, ``connrate``, ``hold``, ``release``, ``ping``, ``quit``. Each may
 carry ``pids`` (name -> pid): their CPU seconds are sampled at the edges of the measured window and returned as
-``cpu``. Blocking sockets on threads carry bulk and ping-pong traffic (the GIL is released in every send and
-receive); uvloop carries the many-connection scenarios.
+``cpu``, with the window's length as ``cpu_window_s``. Blocking sockets on threads carry bulk and ping-pong
+traffic (the GIL is released in every send and receive); uvloop carries the many-connection scenarios.
 """
 
 from __future__ import annotations
@@ -156,6 +156,7 @@ def throughput(cmd: Mapping[str, Any]) -> dict[str, Any]:
     for t in threads:
         t.join()
     cpu1 = cpu_snapshot(pids)
+    cpu_window = time.perf_counter() - start[0]
     wall = max(ended) - start[0]
     total = sum(confirmed)
     per_stream = [c * 8 / (e - start[0]) / 1e9 for c, e in zip(confirmed, ended, strict=True)]
@@ -165,6 +166,7 @@ def throughput(cmd: Mapping[str, Any]) -> dict[str, Any]:
         "gbps": total * 8 / wall / 1e9,
         "per_stream_gbps": [round(g, 3) for g in per_stream],
         "cpu": cpu_delta(cpu0, cpu1),
+        "cpu_window_s": round(cpu_window, 4),
         "errors": errors,
     }
 
@@ -200,13 +202,18 @@ def latency(cmd: Mapping[str, Any]) -> dict[str, Any]:
                 got += n
             if i >= warmup:
                 rtts.append(perf() - t0)
-        wall = (perf() - t_start) / 1e9
         cpu1 = cpu_snapshot(pids)
+        wall = (perf() - t_start) / 1e9
     finally:
         sock.close()
     if bytes(buf) != payload:
         raise ConnectionError("echo mismatch")
-    return {"rtt_us": [round(r / 1000, 1) for r in rtts], "seconds": round(wall, 4), "cpu": cpu_delta(cpu0, cpu1)}
+    return {
+        "rtt_us": [round(r / 1000, 1) for r in rtts],
+        "seconds": round(wall, 4),
+        "cpu": cpu_delta(cpu0, cpu1),
+        "cpu_window_s": round(wall, 4),
+    }
 
 
 # -- many connections (uvloop) -------------------------------------------------------------------------------------
@@ -281,6 +288,7 @@ async def _connrate(cmd: Mapping[str, Any]) -> dict[str, Any]:
     await asyncio.gather(*(one_client(t_start + seconds) for _ in range(concurrency)))
     wall = perf() - t_start
     cpu1 = cpu_snapshot(pids)
+    cpu_window = perf() - t_start
     samples.sort()
     return {
         "connections": done,
@@ -289,6 +297,7 @@ async def _connrate(cmd: Mapping[str, Any]) -> dict[str, Any]:
         "errors": errors,
         "conn_us": _percentiles([s * 1e6 for s in samples]),
         "cpu": cpu_delta(cpu0, cpu1),
+        "cpu_window_s": round(cpu_window, 4),
     }
 
 

@@ -95,3 +95,66 @@ def test_bench_smoke_envoy(smoke: SmokeRun) -> None:
     assert any(s["mode"] == "envoy" and not s["metrics"].get("failed") for s in doc["samples"])
     assert any(r["vs"] == "envoy" and r["mode"] == "hbone" for r in doc["ratios"])
     assert doc["targets"], "the issue's targets are checked when hbone and envoy both ran"
+
+
+@pytest.fixture(scope="module")
+def smoke_workers(tmp_path_factory: pytest.TempPathFactory) -> SmokeRun:
+    out = tmp_path_factory.mktemp("bench-workers") / "results"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--smoke",
+            "--out",
+            str(out),
+            "--workers",
+            "1,2",
+            "--modes",
+            "tcp",
+            "--scenarios",
+            "throughput,latency,connrate",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=80,
+        check=False,
+    )
+    assert proc.returncode == 0, f"python -m bench --smoke --workers 1,2 failed:\n{proc.stderr[-4000:]}"
+    return SmokeRun(out, proc.stderr, ["tcp"])
+
+
+@pytest.mark.timeout(90)
+def test_bench_smoke_workers(smoke_workers: SmokeRun) -> None:
+    """``--workers 1,2``: every scenario ran with each worker count, each ztunnel start had the variable that
+    selects it (read from the started process), the inline baseline's idle memory was taken, and the process-model
+    targets are either judged on worker processes that really ran or reported as not measurable, with why."""
+    doc = json.loads((smoke_workers.out / "results.json").read_text())
+    assert doc["meta"]["workers"] == ["1", "2"] and doc["meta"]["workers_idle_only"] == ["inline"]
+    for scenario in ("throughput", "latency", "connrate"):
+        ran = {s["workers"] for s in doc["samples"] if s["scenario"] == scenario and not s["metrics"].get("failed")}
+        assert ran == {"1", "2"}, scenario
+    records = doc["processes"]
+    assert {r["workers"] for r in records} == {"1", "2", "inline"}
+    for r in records:
+        env = (
+            {"ZTUNNEL_INLINE_DATA_PLANE": "true"}
+            if r["workers"] == "inline"
+            else {"ZTUNNEL_WORKER_THREADS": r["workers"]}
+        )
+        for name in ("ztunnel-a", "ztunnel-b"):
+            assert r["proxies"][name]["env"] == env, (r["workers"], name)
+            assert r["proxies"][name]["pss_bytes"] > 0
+    connrate = [s for s in doc["samples"] if s["scenario"] == "connrate" and s["mode"] == "tcp"]
+    assert all(s["metrics"]["proxy_cpu_us_per_conn"] > 0 and s["metrics"]["proxy_cores"] > 0 for s in connrate)
+    workers_found = {r["proxies"]["ztunnel-a"]["workers"] for r in records if r["workers"] == "2"}
+    worker_targets = [t for t in doc["targets"] if "2 workers" in t["target"]]
+    assert worker_targets
+    if workers_found == {2}:
+        assert all(t["value"] is not None for t in worker_targets)
+        assert any(s["metrics"].get("worker_share_min") is not None for s in connrate if s["workers"] == "2")
+    else:
+        assert all(t["met"] is None and "worker process(es)" in t["limit"] for t in worker_targets)
+    md = (smoke_workers.out / "results.md").read_text()
+    assert "## Process models (`--workers`)" in md and "### 2 workers" in md

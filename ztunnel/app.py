@@ -83,14 +83,14 @@ class App:
 
     def __post_init__(self) -> None:
         self.registry = Registry(self.config.istio_version)
+        self.traffic = TrafficMetrics(self.registry)
         self.registry.dynamic.append(self._xds_metrics)
-        # With worker processes the traffic and DNS metrics are theirs, merged in at each scrape.
-        self.traffic = TrafficMetrics(Registry() if not self.config.inline_data_plane else self.registry)
         # The DNS metrics are prometheus-client objects in a registry of their own, written out with ours on 15020;
-        # one set for the process, shared by every DNS proxy (upstream creates dns::Metrics once in app.rs).
+        # one set for the process, shared by every DNS proxy (upstream creates dns::Metrics once in app.rs). With
+        # worker processes these families stay empty here (the workers' are merged in at each scrape), and only
+        # give the merge upstream's family order.
         dns_registry = CollectorRegistry(auto_describe=True)
-        if self.config.inline_data_plane:
-            self.registry.extra.append(dns_registry)
+        self.registry.extra.append(dns_registry)
         self.dns_metrics = DnsMetrics(dns_registry)
 
     async def start(self) -> None:
@@ -177,8 +177,12 @@ class App:
         supervisor = self.supervisor = Supervisor(
             self.config, self.state, self.certs, self.readiness, on_demand=self._on_demand(), prefork=self.prefork
         )
-        self.registry.merge = supervisor.merge_metrics
-        self.stats_server.before_scrape = supervisor.refresh_metrics
+        registry = self.registry
+
+        async def collect() -> list[Metric]:
+            return await supervisor.collect_metrics(registry)
+
+        self.stats_server.collect = collect
         try:
             await supervisor.start()
         except WorkerStartError as e:

@@ -58,16 +58,23 @@ class Family:
             c = self.children[labels] = Child()
         return c
 
+    def samples(self) -> Iterator[tuple[str, Labels, float]]:
+        """(sample name, labels, value) of every child, in insertion order (what :meth:`metric` writes)."""
+        name = self.name + "_total" if self.kind == "counter" else self.name
+        for labels, c in self.children.items():
+            yield name, labels, c.value
+
     def metric(self) -> Metric:
         m = Metric(self.name, self.help, self.kind, self.unit)
-        suffix = "_total" if self.kind == "counter" else ""
-        for labels, c in self.children.items():
-            m.samples.append(Sample(self.name + suffix, dict(labels), c.value))
+        m.samples = [Sample(n, dict(labels), v) for n, labels, v in self.samples()]
         return m
 
 
 class Histogram:
     """A histogram family with fixed buckets (DNS upstream latency)."""
+
+    kind = "histogram"
+    unit = ""
 
     def __init__(self, name: str, help: str, buckets: Iterable[float]) -> None:
         self.name = name
@@ -85,15 +92,19 @@ class Histogram:
         c[-2] += 1
         c[-1] += value
 
+    def samples(self) -> Iterator[tuple[str, Labels, float]]:
+        """(sample name, labels, value): per child its buckets (``le`` last), ``+Inf``, ``_count``, ``_sum``."""
+        bucket, les = self.name + "_bucket", [_fmt(b) for b in self.buckets]
+        for labels, c in self.children.items():
+            for i, le in enumerate(les):
+                yield bucket, (*labels, ("le", le)), c[i]
+            yield bucket, (*labels, ("le", "+Inf")), c[-2]
+            yield self.name + "_count", labels, c[-2]
+            yield self.name + "_sum", labels, c[-1]
+
     def metric(self) -> Metric:
         m = Metric(self.name, self.help, "histogram")
-        for labels, c in self.children.items():
-            base = dict(labels)
-            for i, b in enumerate(self.buckets):
-                m.samples.append(Sample(self.name + "_bucket", {**base, "le": _fmt(b)}, c[i]))
-            m.samples.append(Sample(self.name + "_bucket", {**base, "le": "+Inf"}, c[-2]))
-            m.samples.append(Sample(self.name + "_count", base, c[-2]))
-            m.samples.append(Sample(self.name + "_sum", base, c[-1]))
+        m.samples = [Sample(n, dict(labels), v) for n, labels, v in self.samples()]
         return m
 
 
@@ -109,9 +120,6 @@ class Registry:
         self.dynamic: list[Callable[[], Iterable[Metric]]] = []
         # prometheus-client registries of other components (their metrics are written with ours).
         self.extra: list[CollectorRegistry] = []
-        # With worker processes: everything collected here goes through this, which sums the workers' families
-        # into it (ztunnel/workers/supervisor.py); None in one process.
-        self.merge: Callable[[list[Metric]], list[Metric]] | None = None
         build = self.family("istio_build", "Istio component build info", "gauge")
         build.child((("component", "ztunnel"), ("tag", istio_version or __version__))).value = 1
 
@@ -126,14 +134,34 @@ class Registry:
         return h
 
     def collect(self) -> Iterator[Metric]:
+        """Our families, then the callbacks' and the process's (without the extra registries)."""
         for f in self.families:
             yield f.metric()
+        yield from self._computed()
+
+    def _computed(self) -> Iterator[Metric]:
         for cb in self.dynamic:
             try:
                 yield from cb()
             except Exception:  # a broken callback must not break the scrape
                 log.exception("metrics callback failed")
         yield from _process_fds()
+
+    def computed(self) -> Iterator[Metric]:
+        """The families made at scrape time, in exposition order after our own: callbacks, the process's
+        descriptors, then the extra registries' families without prometheus-client's ``_created`` samples
+        (upstream exports none)."""
+        yield from self._computed()
+        for extra in self.extra:
+            for m in extra.collect():
+                m.samples = [s for s in m.samples if not s.name.endswith("_created")]
+                yield m
+
+    def exposed(self) -> Iterator[Metric]:
+        """Every family ``/metrics`` shows, in its order: our families, then :meth:`computed`."""
+        for f in self.families:
+            yield f.metric()
+        yield from self.computed()
 
 
 def _process_fds() -> Iterator[Metric]:
@@ -205,17 +233,13 @@ def wants_openmetrics(accept: str) -> bool:
 
 
 def encode(registry: Registry, accept: str = "", accept_encoding: str = "") -> tuple[bytes, dict[str, str]]:
+    """The scrape body and headers of ``registry``'s families (:meth:`Registry.exposed`): see :func:`render`."""
+    return render(registry.exposed(), accept, accept_encoding)
+
+
+def render(metrics: Iterable[Metric], accept: str = "", accept_encoding: str = "") -> tuple[bytes, dict[str, str]]:
     """The scrape body and headers: OpenMetrics text, labelled as such when the Accept header asks for it and as
-    ``text/plain`` otherwise (upstream); gzip when accepted. No ``_created`` series are written (upstream has none).
-    """
-    metrics = list(registry.collect())
-    for extra in registry.extra:
-        for m in extra.collect():
-            # prometheus-client adds a _created sample per counter; upstream exports none.
-            m.samples = [s for s in m.samples if not s.name.endswith("_created")]
-            metrics.append(m)
-    if registry.merge is not None:
-        metrics = registry.merge(metrics)
+    ``text/plain`` otherwise (upstream); gzip when accepted."""
     body = _write(metrics)
     headers = {"Content-Type": OPENMETRICS_TYPE if wants_openmetrics(accept) else PLAINTEXT_TYPE}
     if "gzip" in accept_encoding:
@@ -225,12 +249,16 @@ def encode(registry: Registry, accept: str = "", accept_encoding: str = "") -> t
 
 
 class StatsServer:
-    """``/metrics`` and ``/stats/prometheus`` on 15020; anything else is 404, as upstream."""
+    """``/metrics`` and ``/stats/prometheus`` on 15020; anything else is 404, as upstream.
 
-    def __init__(self, registry: Registry) -> None:
+    What a scrape shows is ``registry``'s families, or what ``collect`` returns when given: the control process of
+    the multi-process mode passes the families merged from its workers (:mod:`ztunnel.metrics_merge`), which it
+    has to ask them for, hence a coroutine.
+    """
+
+    def __init__(self, registry: Registry, collect: Callable[[], Awaitable[Iterable[Metric]]] | None = None) -> None:
         self.registry = registry
-        # Run before each scrape is written (with worker processes: fetch their families first).
-        self.before_scrape: Callable[[], Awaitable[None]] | None = None
+        self.collect = collect
         self._http: HttpServer | None = None
 
     @property
@@ -241,10 +269,9 @@ class StatsServer:
         from aiohttp import web
 
         async def metrics(request: web.Request) -> web.Response:
-            if self.before_scrape is not None:
-                await self.before_scrape()
-            body, headers = encode(
-                self.registry,
+            families = self.registry.exposed() if self.collect is None else await self.collect()
+            body, headers = render(
+                families,
                 ",".join(request.headers.getall("Accept", ())),
                 request.headers.get("Accept-Encoding", ""),
             )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from bench.clients import WorkerError
-from bench.scenarios.base import DataScenario, proxy_cpu
+from bench.scenarios.base import DataScenario, process_split, proxy_cpu
 from bench.topology import Topology
 
 
@@ -40,6 +40,7 @@ class ConnRate(DataScenario):
         metrics = {
             "rate": res["rate"],
             "conn_per_cpu_s": res["connections"] / cpu if cpu > 0 else None,
+            "proxy_cpu_us_per_conn": cpu / res["connections"] * 1e6 if cpu > 0 and res["connections"] else None,
             "connections": res["connections"],
             "proxy_cpu_s": round(cpu, 3),
             "conn_p50_us": res["conn_us"].get("p50"),
@@ -47,6 +48,7 @@ class ConnRate(DataScenario):
             "conn_us": res["conn_us"],
             "cpu_s": res["cpu"],
             "errors": res["errors"],
+            **process_split(mode, res["cpu"], res["cpu_window_s"]),
         }
         ctx.recorder.add("connrate", case, mode, rep, metrics)
         errs = f", ERRORS {res['errors']}" if res["errors"] else ""

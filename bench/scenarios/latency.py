@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Sequence
 
 from bench.clients import WorkerError
-from bench.scenarios.base import DataScenario, proxy_cpu
+from bench.scenarios.base import DataScenario, process_split, proxy_cpu
 from bench.topology import PATH_PROXIES, Topology
 
 
@@ -34,6 +34,7 @@ class Latency(DataScenario):
         warmup = max(1, self.p.latency_warmup // slices)
         rtts: dict[str, list[float]] = {m: [] for m in order}
         cpu: dict[str, dict[str, float]] = {m: {} for m in order}
+        window: dict[str, float] = dict.fromkeys(order, 0.0)
         failed: dict[str, WorkerError] = {}
         for _ in range(slices):
             for mode in order:
@@ -55,6 +56,7 @@ class Latency(DataScenario):
                     failed[mode] = e
                     continue
                 rtts[mode] += res["rtt_us"]
+                window[mode] += res["cpu_window_s"]
                 for name, seconds in res["cpu"].items():
                     cpu[mode][name] = cpu[mode].get(name, 0.0) + seconds
         for mode in order:
@@ -70,6 +72,7 @@ class Latency(DataScenario):
                 "slices": slices,
                 "proxy_cpu_us_per_rt": round(mode_cpu / n * 1e6, 2) if PATH_PROXIES[mode] else None,
                 "cpu_s": {k: round(v, 6) for k, v in cpu[mode].items()},
+                **process_split(mode, cpu[mode], window[mode]),
             }
             ctx.recorder.add("latency", case, mode, rep, metrics, rtt_us=rtts[mode])
             ctx.progress.step(

@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Sequence
 
 from bench.clients import WorkerError
-from bench.procstat import rss_snapshot, uss_bytes
+from bench.procstat import owner, per_proxy, process_tree, pss_snapshot, rss_snapshot, uss_snapshot
 from bench.scenarios.base import DataScenario, rotated
 from bench.topology import PATH_PROXIES, Topology, wait_settled
 
@@ -29,18 +29,23 @@ class Memory(DataScenario):
         return 2.0 + len(self._modes()) * sum(3 * self.p.settle + c / 2500 for c in self.p.memory_counts)
 
     def after_start(self, topo: Topology, rep: int) -> None:
-        """Idle RSS (and USS) of the proxies on the hbone and envoy paths, freshly started."""
+        """Idle RSS, PSS (and USS) of the proxies on the hbone and envoy paths, freshly started, each proxy with
+        all its processes (a ztunnel's control process and workers)."""
         ctx = self.ctx
-        rss = rss_snapshot(topo.proxy_pids())
+        tree = process_tree(topo.proxy_pids())
         for mode in ("hbone", "envoy"):
             if mode not in ctx.modes:
                 continue
             procs = PATH_PROXIES[mode]
-            values = [rss[p] for p in procs]
+            rss = per_proxy(rss_snapshot(tree), procs)
+            pss = per_proxy(pss_snapshot(tree), procs)
             metrics = {
-                "rss_mib": statistics.fmean(values) / 2**20,
-                "rss_bytes": {p: rss[p] for p in procs},
-                "uss_bytes": {p: uss_bytes(topo.proxy_pids()[p]) for p in procs},
+                "rss_mib": statistics.fmean(rss.values()) / 2**20,
+                "pss_mib": statistics.fmean(pss.values()) / 2**20,
+                "rss_bytes": rss,
+                "pss_bytes": pss,
+                "uss_bytes": per_proxy(uss_snapshot(tree), procs),
+                "processes": {p: len([n for n in tree if owner(n) == p]) for p in procs},
             }
             ctx.recorder.add("memory", "idle", mode, rep, metrics)
             ctx.progress.say(
@@ -66,11 +71,11 @@ class Memory(DataScenario):
                         )
                         ctx.progress.say(f"skipped {what}: RLIMIT_NOFILE {ctx.fd_limit:,} < ~{need:,}")
                     continue
-                pids = topo.proxy_pids()
+                pids = process_tree(topo.proxy_pids())
                 procs = PATH_PROXIES[mode]
                 wait_settled(self.p.settle)
-                before = rss_snapshot(pids)
-                uss_before = {p: uss_bytes(pids[p]) for p in procs}
+                before = per_proxy(rss_snapshot(pids), procs)
+                uss_before = per_proxy(uss_snapshot(pids), procs)
                 case = f"{count:,} idle conns"
                 try:
                     route = topo.route(mode)
@@ -79,8 +84,8 @@ class Memory(DataScenario):
                         timeout=60 + count / 50,
                     )
                     wait_settled(self.p.settle)
-                    after = rss_snapshot(pids)
-                    uss_after = {p: uss_bytes(pids[p]) for p in procs}
+                    after = per_proxy(rss_snapshot(pids), procs)
+                    uss_after = per_proxy(uss_snapshot(pids), procs)
                     ctx.call({"op": "release", "route": route}, 60)
                 except WorkerError as e:
                     rec.failed("memory", case, mode, rep, e)

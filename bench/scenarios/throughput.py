@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.clients import WorkerError
-from bench.scenarios.base import DataScenario, proxy_cpu
+from bench.scenarios.base import DataScenario, process_split, proxy_cpu
 from bench.topology import Topology
 
 
@@ -44,12 +44,14 @@ class Throughput(DataScenario):
         metrics: dict[str, Any] = {
             "gbps": res["gbps"],
             "gbit_per_cpu_s": gbit / cpu if cpu > 0 else None,
+            "proxy_cpu_s_per_gbit": cpu / gbit if cpu > 0 and gbit > 0 else None,
             "proxy_cpu_s": round(cpu, 3),
             "seconds": res["seconds"],
             "bytes": res["bytes"],
             "per_stream_gbps": per_stream,
             "cpu_s": res["cpu"],
             "errors": res["errors"],
+            **process_split(mode, res["cpu"], res["cpu_window_s"]),
         }
         if res["errors"]:
             # A stalled or broken stream makes the total meaningless: kept in the JSON, left out of the summary.

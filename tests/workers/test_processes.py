@@ -352,13 +352,15 @@ def alive(pid: int) -> bool:
 async def test_killing_the_control_process_leaves_no_worker(tmp_path: Path) -> None:
     m = TwoNodeMesh(tmp_path)
     a = ZtunnelProcess(m.env_a(ZTUNNEL_WORKER_THREADS="2"), tmp_path / "a.log").start()
-    workers = a.children()
-    assert len(workers) == 2 and all(alive(p) for p in workers)
-    assert a.proc is not None
-    a.proc.kill()
-    a.proc.wait()
-    assert await eventually(lambda: [p for p in workers if alive(p)], 20, until=lambda left: not left) == []
-    a.stop()
+    try:
+        workers = a.children()
+        assert len(workers) == 2 and all(alive(p) for p in workers)
+        assert a.proc is not None
+        a.proc.kill()
+        a.proc.wait()
+        assert await eventually(lambda: [p for p in workers if alive(p)], 20, until=lambda left: not left) == []
+    finally:
+        a.stop()
 
 
 async def test_one_worker_runs_beside_the_control_process(tmp_path: Path) -> None:

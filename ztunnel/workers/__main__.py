@@ -1,6 +1,6 @@
-"""``python -m ztunnel.workers <fd> <control pid>``: one data-plane worker started as a new interpreter, with its
-end of the channel as ``fd``. The control process starts a worker this way when it replaces one (the first ones are
-forked at start: :mod:`ztunnel.workers.prefork`); never by hand.
+"""``python -m ztunnel.workers --index <i> <fd> <control pid>``: one data-plane worker started as a new interpreter,
+with its end of the channel as ``fd``. The control process starts a worker this way when it replaces one (the first
+ones are forked at start: :mod:`ztunnel.workers.prefork`); never by hand.
 
 It dies with its parent: ``PR_SET_PDEATHSIG`` has the kernel SIGKILL it when the control process exits, however
 that happens (kill -9 included), and it exits by itself when the channel ends. A terminal's Ctrl-C reaches every
@@ -17,12 +17,18 @@ import sys
 from ztunnel.workers.prefork import serve_worker
 from ztunnel.workers.process import die_with_parent
 
+USAGE = "usage: python -m ztunnel.workers --index <i> <fd> <control pid> (started by ztunnel, not by hand)\n"
+
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or not all(a.isdigit() for a in argv):
-        sys.stderr.write("usage: python -m ztunnel.workers <fd> <control pid> (started by ztunnel, not by hand)\n")
+    if argv in (["--help"], ["-h"]):
+        sys.stdout.write(USAGE)
+        return 0
+    # The index is for ps and the benchmark (the worker learns it, with everything else, from its Start message).
+    if len(argv) != 4 or argv[0] != "--index" or not all(a.isdigit() for a in argv[1:]):
+        sys.stderr.write(USAGE)
         return 2
-    fd, parent = int(argv[0]), int(argv[1])
+    fd, parent = int(argv[2]), int(argv[3])
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     return serve_worker(fd)

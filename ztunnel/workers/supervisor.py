@@ -32,7 +32,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,8 @@ from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.manager import CertificateProvider, CertificateUnavailable, SecretManager
 from ztunnel.identity.spiffe import Identity
 from ztunnel.inpod.netns import Netns, NetnsId
+from ztunnel.metrics import Registry
+from ztunnel.metrics_merge import MetricsMerger, snapshot
 from ztunnel.readiness import BlockReady, Readiness
 from ztunnel.sockets import SocketConfig, SocketFactory
 from ztunnel.state import ProxyState, StateUpdate
@@ -70,7 +72,6 @@ START_TIMEOUT = 60.0
 EXIT_GRACE = 5.0
 # A worker whose channel ended without its process exiting is killed after this (it exits on its own at once).
 CHANNEL_GRACE = 1.0
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class WorkerStartError(ZtunnelError):
@@ -95,10 +96,6 @@ class WorkerHandle:
     generation: int | None = None
     failure: str | None = None  # what its last process said before it gave up (Failed)
     identities: set[Identity] = field(default_factory=set)
-    metrics: list[Metric] = field(default_factory=list)  # its last families (kept when it dies)
-    cpu: float = 0.0  # CPU seconds of the current process, last read
-    cpu_retained: float = 0.0  # CPU seconds of its earlier processes
-    opened_retained: float = 0.0  # connections its earlier processes opened
     restarts: int = 0
     backoff: float = BACKOFF_INITIAL
     exited: asyncio.Event = field(default_factory=asyncio.Event)
@@ -143,12 +140,13 @@ class Supervisor:
         self.readiness = readiness
         self.on_demand = on_demand
         self.prefork = prefork  # the first workers, forked at start (ztunnel/workers/prefork.py)
-        # The command of a worker started later (a restart): the fd and this process's pid are appended.
+        # The command of a worker started later (a restart): its index, the fd and this process's pid are appended.
         self.argv = list(argv) if argv is not None else [sys.executable, "-m", "ztunnel.workers"]
         self.handles = [WorkerHandle(i) for i in range(max(1, config.worker_threads))]
         self.tasks = TaskGroup("supervisor")
         self.pods: dict[str, _Pod] = {}
-        self.retained: list[Metric] = []  # counters and histograms of workers that exited
+        # Each worker's last metrics snapshot, and what exited ones counted (ztunnel/metrics_merge.py).
+        self.merger = MetricsMerger()
         self.draining = False
         self.starting = True
         self._block: BlockReady | None = None
@@ -231,8 +229,6 @@ class Supervisor:
         h.generation = None
         h.failure = None
         h.identities = set()
-        h.metrics = []
-        h.cpu = 0.0
         h.exited = asyncio.Event()
         h.said_ready = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -262,7 +258,7 @@ class Supervisor:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             h.popen = subprocess.Popen(
-                [*self.argv, str(theirs.fileno()), str(os.getpid())],
+                [*self.argv, "--index", str(h.index), str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
             )
@@ -307,7 +303,7 @@ class Supervisor:
         h.pidfd = None
         code = h.returncode
         ran = time.monotonic() - h.started
-        self._retain(h)
+        self.merger.exited(h.index)  # its counters are kept, its gauges dropped
         if h.channel is not None:
             h.channel.close("the worker exited")
         h.ready = False
@@ -553,29 +549,21 @@ class Supervisor:
         return out
 
     async def refresh_metrics(self) -> None:
-        """Fetch every live worker's metric families (before a scrape)."""
-        for h, families in await self._query("metrics"):
-            h.metrics = families
-            h.cpu = _cpu_seconds(h.pid)
+        """Fetch every live worker's metrics snapshot (each scrape, and every second)."""
+        for h, snap in await self._query("metrics"):
+            if h.channel is not None:  # not one that exited while answering: its exit retained its last one
+                self.merger.update(h.index, snap)
 
     async def _poll_metrics(self) -> None:
         while True:
             await asyncio.sleep(METRICS_POLL)
             await self.refresh_metrics()
 
-    def _retain(self, h: WorkerHandle) -> None:
-        """``h``'s process is gone: keep what it counted (not its gauges: what they measured is gone with it)."""
-        self.retained = merge_families([self.retained, h.metrics], counters_only=True)
-        h.opened_retained += _opened(h.metrics)
-        h.cpu_retained += h.cpu
-        h.metrics = []
-        h.cpu = 0.0
-
-    def merge_metrics(self, own: list[Metric]) -> list[Metric]:
-        """This process's families with the workers' summed in, then the per-worker view (at each scrape, after
-        :meth:`refresh_metrics`). Summed, not appended: both sides have e.g. ``process_open_fds``."""
-        live = [h.metrics for h in self.handles if h.channel is not None]
-        return merge_families([own, self.retained, *live]) + self._worker_metrics()
+    async def collect_metrics(self, registry: Registry) -> list[Metric]:
+        """What a scrape of 15020 shows: this process's families (``registry``) with every worker's merged in
+        (fetched now), the merge's per-worker families, then whether each worker is serving and its restarts."""
+        await self.refresh_metrics()
+        return self.merger.families(snapshot(registry)) + self._worker_metrics()
 
     def _worker_metrics(self) -> list[Metric]:
         unstable = "(unstable)"
@@ -583,27 +571,11 @@ class Supervisor:
         restarts = Metric(
             "ztunnel_worker_restarts", f"The number of times the worker process was restarted {unstable}", "counter"
         )
-        opened = Metric(
-            "ztunnel_worker_connections_opened",
-            f"The total number of TCP connections the worker opened, over its processes {unstable}",
-            "counter",
-        )
-        cpu = Metric(
-            "ztunnel_worker_cpu_seconds",
-            f"CPU time the worker's processes used, user and system {unstable}",
-            "counter",
-            "seconds",
-        )
         for h in self.handles:
             labels = {"worker": str(h.index)}
             up.samples.append(Sample("ztunnel_worker_up", labels, 1.0 if h.ready else 0.0))
             restarts.samples.append(Sample("ztunnel_worker_restarts_total", labels, float(h.restarts)))
-            live = h.metrics if h.channel is not None else []
-            opened.samples.append(
-                Sample("ztunnel_worker_connections_opened_total", labels, h.opened_retained + _opened(live))
-            )
-            cpu.samples.append(Sample("ztunnel_worker_cpu_seconds_total", labels, h.cpu_retained + h.cpu))
-        return [up, restarts, opened, cpu]
+        return [up, restarts]
 
     # -- shutdown --------------------------------------------------------------------------------------------------
 
@@ -657,57 +629,6 @@ class PodFanout:
         return await self.supervisor.add_pod(uid, info, netns)
 
 
-# -- metrics ---------------------------------------------------------------------------------------------------------
-
-_SUMMED_ALWAYS = frozenset({"counter", "histogram", "summary"})
-
-
-def merge_families(sources: Iterable[Sequence[Metric]], *, counters_only: bool = False) -> list[Metric]:
-    """Families of several processes as one: each sample summed over the sources by (sample name, labels), in the
-    order first seen. ``counters_only`` leaves gauges (and anything not a count) out.
-
-    The one place the merge happens, so a smarter one (e.g. per-kind rules) replaces this function alone.
-    """
-    families: dict[str, Metric] = {}
-    index: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], int]] = {}
-    for source in sources:
-        for m in source:
-            if counters_only and m.type not in _SUMMED_ALWAYS:
-                continue
-            target = families.get(m.name)
-            if target is None:
-                target = families[m.name] = Metric(m.name, m.documentation, m.type, m.unit)
-                index[m.name] = {}
-            where = index[m.name]
-            for s in m.samples:
-                key = (s.name, tuple(sorted(s.labels.items())))
-                i = where.get(key)
-                if i is None:
-                    where[key] = len(target.samples)
-                    target.samples.append(Sample(s.name, dict(s.labels), s.value))
-                else:
-                    old = target.samples[i]
-                    target.samples[i] = old._replace(value=old.value + s.value)
-    return list(families.values())
-
-
-def _opened(families: Sequence[Metric]) -> float:
-    return sum(s.value for m in families if m.name == "istio_tcp_connections_opened" for s in m.samples)
-
-
-def _cpu_seconds(pid: int | None) -> float:
-    """User + system CPU seconds of a process (``/proc/<pid>/stat``), 0 if it is gone."""
-    if pid is None:
-        return 0.0
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return 0.0
-    fields = stat.rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime: fields 14 and 15 of stat(5)
-
-
 def _status(code: int | None) -> str:
     if code is None:
         return "is gone"
@@ -726,5 +647,4 @@ __all__ = [
     "Supervisor",
     "WorkerHandle",
     "WorkerStartError",
-    "merge_families",
 ]

@@ -28,7 +28,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import Metric
 
 from ztunnel import telemetry, thirdparty
 from ztunnel.config import Config, LogFormat, ProxyMode
@@ -40,6 +39,7 @@ from ztunnel.identity.manager import CertificateUnavailable
 from ztunnel.identity.spiffe import Identity
 from ztunnel.inpod.netns import Netns, host_netns_fd
 from ztunnel.metrics import Registry
+from ztunnel.metrics_merge import Snapshot, snapshot
 from ztunnel.proxy import Proxy
 from ztunnel.proxy.common import TlsContextCache
 from ztunnel.proxy.connection_manager import ConnectionRecord, connections_dump
@@ -51,15 +51,12 @@ from ztunnel.state.workload import NetworkAddress
 from ztunnel.tasks import TaskGroup
 from ztunnel.workers import protocol as p
 from ztunnel.workers.channel import Channel, Handler
-from ztunnel.workers.process import set_name
+from ztunnel.workers.process import set_cmdline, set_name
 
 log = logging.getLogger("ztunnel.workers")
 
 # Makes the worker's channel, given the handler of its messages and what to call when it ends.
 ChannelFactory = Callable[[Handler, Callable[[str], None]], Channel]
-
-# Families the control process writes itself: its own build info and fd limit (one per process, not a sum).
-CONTROL_ONLY = frozenset({"istio_build", "process_max_fds"})
 
 
 class RemoteCertificates:
@@ -201,7 +198,9 @@ class Worker:
     def _start(self, msg: p.Start) -> None:
         cfg = self.config = msg.config
         self.index = msg.index
-        set_name(f"zt-worker-{self.index}")  # in ps and /proc/<pid>/comm
+        # How ps, top and the benchmark tell the workers apart: the name, and "--index <i>" on the command line.
+        set_name(f"zt-worker-{self.index}")
+        set_cmdline(["ztunnel-worker", "--index", str(self.index)])
         telemetry.setup_logging(cfg.log_level, json_format=cfg.log_format is LogFormat.JSON)
         thirdparty.apply(http_servers=False)
         self.state = ProxyState(cfg.node_name)
@@ -343,17 +342,12 @@ class Worker:
             return self._metrics()
         raise ValueError(f"unknown query {what!r}")
 
-    def _metrics(self) -> list[Metric]:
+    def _metrics(self) -> Snapshot:
         """Every family of this worker, with the bytes of open connections counted up to now."""
         for record in self._connections():
             if record.metrics is not None:
                 self.traffic.flush(record.metrics, record.bytes_sent(), record.bytes_recv())
-        out = [m for m in self.registry.collect() if m.name not in CONTROL_ONLY]
-        for extra in self.registry.extra:
-            for m in extra.collect():
-                m.samples = [s for s in m.samples if not s.name.endswith("_created")]
-                out.append(m)
-        return out
+        return snapshot(self.registry)
 
     # -- drain ---------------------------------------------------------------------------------------------------
 
