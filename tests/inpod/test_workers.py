@@ -111,6 +111,9 @@ async def test_captured_traffic_works_whichever_worker_accepts(cluster: Cluster)
         # iptables hands each connection to the pod's 15001, where the kernel picks a worker's listener by its
         # addresses: both took some (all 40 on one would be a 1 in 2^39 chance), and every one got through.
         assert set(outbound) == {0, 1} and sum(outbound.values()) == 40, outbound
+        # The config dump's workloadState has the client pod's connections from both workers.
+        dump = await asyncio.to_thread(admin, c, "node1", "/config_dump")
+        assert len(dump["workloadState"]["Kubernetes//Pod/default/client"]["connections"]["outbound"]) == 40
     finally:
         for _, sock in results:
             sock.close()

@@ -225,6 +225,34 @@ async def test_metrics_totals_are_exactly_the_sum_over_workers(mesh: TwoNodeMesh
     assert by_worker(after, "ztunnel_worker_up") == {"0": 1.0, "1": 1.0}
 
 
+async def test_a_log_filter_set_on_the_admin_reaches_the_workers(mesh: TwoNodeMesh, echo: EchoServer) -> None:
+    def post(query: str) -> str:
+        req = urllib.request.Request(f"http://{mesh.node_a}:15000/logging?{query}", method="POST")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return str(r.read().decode())
+
+    log = mesh.workdir / "a.log"
+    assert "access=debug" in await asyncio.to_thread(post, "level=access=debug")
+    try:
+        conns = await open_echoed(mesh, 10)  # on both workers (10 on one alone: a 1 in 512 chance)
+        ports = {port_of(c) for c in conns}
+        where = await worker_of(mesh.node_a, conns)
+        await close_all(conns)
+        # "connection opened" is an access line at debug, written by the worker that holds the connection.
+        opened = await eventually(
+            lambda: {
+                p
+                for p in ports
+                if f":{p} " in "".join(line for line in log.read_text().splitlines() if "connection opened" in line)
+            },
+            10,
+            until=lambda got: got == ports,
+        )
+        assert opened == ports and set(where.values()) == {0, 1}
+    finally:
+        await asyncio.to_thread(post, "reset")
+
+
 def test_a_running_worker_has_no_grpc_or_aiohttp_loaded(mesh: TwoNodeMesh) -> None:
     log = (mesh.workdir / "a.log").read_text()
     pids = worker_pids(log)

@@ -240,13 +240,16 @@ class Inbound(Listener):
             local = await self.pi.local.get()
             cert = await self.pi.certs.fetch_certificate(local.identity)
         except Exception as e:
-            self._early_fail(conn, f"no certificate for the local workload: {e}")
-            conn.abort(str(e))
+            if not conn.closed:  # a peer that left meanwhile has no address left to log, and nothing to be told
+                self._early_fail(conn, f"no certificate for the local workload: {e}")
+                conn.abort(str(e))
             return
         if conn.transport is None:
             await asyncio.sleep(0)
+        if conn.closed:
+            return  # the peer left while the certificate was on its way: nothing to start
         sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
-        if sock is not None:
+        if sock is not None and sock.fileno() >= 0:
             set_accepted_options(sock, self.pi.sockets.cfg, keepalive=False)
         conn.start_tls(self.pi.contexts.server(local.identity, cert))
 
