@@ -253,6 +253,20 @@ async def test_a_log_filter_set_on_the_admin_reaches_the_workers(mesh: TwoNodeMe
         await asyncio.to_thread(post, "reset")
 
 
+async def test_a_worker_leaves_sigint_and_sigterm_to_the_control_process(mesh: TwoNodeMesh, echo: EchoServer) -> None:
+    # A terminal's Ctrl-C or systemd's SIGTERM to every process of the unit reaches the workers too: they must not
+    # cut their tunnels for it (the control process, which gets it as well, drains them).
+    conns = await open_echoed(mesh, 10)
+    pids = worker_pids((mesh.workdir / "a.log").read_text())
+    for pid in pids.values():
+        os.kill(pid, signal.SIGINT)
+        os.kill(pid, signal.SIGTERM)
+    assert [await echoes(c) for c in conns] == [True] * len(conns)
+    assert all(alive(pid) for pid in pids.values())
+    assert by_worker(await scrape(mesh.node_a), "ztunnel_worker_restarts_total") == {"0": 0.0, "1": 0.0}
+    await close_all(conns)
+
+
 def test_a_running_worker_has_no_grpc_or_aiohttp_loaded(mesh: TwoNodeMesh) -> None:
     log = (mesh.workdir / "a.log").read_text()
     pids = worker_pids(log)

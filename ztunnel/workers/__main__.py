@@ -3,19 +3,17 @@ with its end of the channel as ``fd``. The control process starts a worker this 
 ones are forked at start: :mod:`ztunnel.workers.prefork`); never by hand.
 
 It dies with its parent: ``PR_SET_PDEATHSIG`` has the kernel SIGKILL it when the control process exits, however
-that happens (kill -9 included), and it exits by itself when the channel ends. A terminal's Ctrl-C reaches every
-process of the group, so the worker ignores SIGINT: the control process decides (first SIGINT drains, second ends
-at once) and tells it.
+that happens (kill -9 included), and it exits by itself when the channel ends. It ignores SIGINT and SIGTERM,
+which the control process handles for it (first SIGINT or SIGTERM drains, a second SIGINT ends at once).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 from ztunnel.workers.prefork import serve_worker
-from ztunnel.workers.process import die_with_parent
+from ztunnel.workers.process import die_with_parent, leave_signals_to_the_control_process
 
 USAGE = "usage: python -m ztunnel.workers --index <i> <fd> <control pid> (started by ztunnel, not by hand)\n"
 
@@ -30,7 +28,7 @@ def main(argv: list[str]) -> int:
         return 2
     fd, parent = int(argv[2]), int(argv[3])
     die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    leave_signals_to_the_control_process()
     return serve_worker(fd)
 
 

@@ -21,11 +21,10 @@ import contextlib
 import gc
 import logging
 import os
-import signal
 import socket
 import sys
 
-from ztunnel.workers.process import die_with_parent
+from ztunnel.workers.process import die_with_parent, leave_signals_to_the_control_process
 
 log = logging.getLogger("ztunnel.workers")
 
@@ -112,7 +111,7 @@ class Preforked:
                     for _, sock in out._ready:  # the earlier workers' channels are not this one's
                         sock.close()
                     die_with_parent(control)
-                    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the control's to handle
+                    leave_signals_to_the_control_process()
                     code = serve_worker(theirs.detach())
                 finally:
                     os._exit(code)

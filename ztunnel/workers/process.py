@@ -50,3 +50,13 @@ def set_cmdline(args: list[str]) -> None:
             return
         data = "\0".join(args).encode()[: size - 1]
         ctypes.memmove(start, data + b"\0" * (size - len(data)), size)
+
+
+def leave_signals_to_the_control_process() -> None:
+    """Ignore SIGINT and SIGTERM: a terminal's Ctrl-C reaches every process of the group, and systemd (or
+    ``kill -- -<pgid>``) may send SIGTERM to every process of the ztunnel; a worker that died of it would cut its
+    tunnels instead of draining them. The control process gets the same signal and tells the workers what to do
+    (``Drain``); a worker still exits with its control process (``PR_SET_PDEATHSIG``, the end of its channel) and
+    to SIGKILL."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
