@@ -148,7 +148,6 @@ class Supervisor:
         # Each worker's last metrics snapshot, and what exited ones counted (ztunnel/metrics_merge.py).
         self.merger = MetricsMerger()
         self.draining = False
-        self.starting = True
         self._block: BlockReady | None = None
 
     # -- start -----------------------------------------------------------------------------------------------------
@@ -180,7 +179,6 @@ class Supervisor:
         if errors:
             self.kill_all()
             raise WorkerStartError(errors[0])
-        self.starting = False
         self.tasks.spawn(self._poll_metrics(), "metrics poll")
         log.info("%d worker process%s serving", len(self.handles), "" if len(self.handles) == 1 else "es")
 
