@@ -79,7 +79,8 @@ async def worker(tmp_path: Path) -> AsyncIterator[tuple[Control, TwoNodeMesh]]:
         await asyncio.to_thread(proc.wait, 20)
         log.close()
     text = (tmp_path / "worker.log").read_text()
-    assert " failed" not in text and "Traceback" not in text, text
+    # No task of the worker failed (its clients here present no certificate: their handshakes may fail, logged as such).
+    assert "ztunnel::tasks" not in text and "Traceback" not in text, text
 
 
 def state_of(m: TwoNodeMesh) -> ProxyState:
