@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ztunnel.config import Config, WorkloadInfo
@@ -20,7 +21,7 @@ from ztunnel.inpod.netns import InPodSocketFactory, Netns, NetnsId
 from ztunnel.proxy import Proxy
 from ztunnel.proxy.common import TlsContextCache
 from ztunnel.proxy.connection_manager import ConnectionManager
-from ztunnel.proxy.inputs import LocalWorkload, OnDemand, ProxyInputs
+from ztunnel.proxy.inputs import InboundBalance, LocalWorkload, OnDemand, ProxyInputs
 from ztunnel.proxy.metrics import TrafficMetrics
 from ztunnel.proxy.pool import WorkloadHBONEPool
 from ztunnel.sockets import SocketConfig, SocketFactory
@@ -40,6 +41,9 @@ class ProxyFactory:
     on_demand: OnDemand | None = None  # XDS_ON_DEMAND: the xDS client's demand, for every proxy
     # In a worker process: every listener is shared with the other workers (SO_REUSEPORT), in-pod too.
     shared_ports: bool = False
+    # In a worker process of several: the balance of each proxy's 15008 listener, given the proxy's key in the other
+    # workers (None: the dedicated proxy; in-pod: the pod's uid and network namespace).
+    balance: Callable[[tuple[str, NetnsId] | None], InboundBalance] | None = None
 
     def dns(self, local: LocalWorkload, sockets: SocketFactory, reuse_port: bool) -> DnsProxy | None:
         """The DNS proxy of one workload (ISTIO_META_DNS_CAPTURE), or None when DNS capture is off."""
@@ -56,7 +60,9 @@ class ProxyFactory:
             reuse_port=reuse_port,
         )
 
-    def inputs(self, info: WorkloadInfo, sockets: SocketFactory, drain: Drain) -> ProxyInputs:
+    def inputs(
+        self, info: WorkloadInfo, sockets: SocketFactory, drain: Drain, pod: tuple[str, NetnsId] | None = None
+    ) -> ProxyInputs:
         return ProxyInputs(
             config=self.config,
             state=self.state,
@@ -68,6 +74,7 @@ class ProxyFactory:
             pool=WorkloadHBONEPool(self.config, self.certs, sockets, self.contexts),
             connections=ConnectionManager(self.traffic),
             on_demand=self.on_demand,
+            balance=self.balance(pod) if self.balance is not None else None,
         )
 
     def socket_config(self) -> SocketConfig:
@@ -83,7 +90,7 @@ class ProxyFactory:
     async def start(self, uid: str, info: WorkloadInfo, netns: Netns) -> PodProxies:
         """Start a pod's listeners inside its namespace (the statemanager's ``ProxyFactory``)."""
         sockets = InPodSocketFactory(self.socket_config(), netns)
-        proxy = Proxy(self.inputs(info, sockets, Drain(f"pod {uid}")))
+        proxy = Proxy(self.inputs(info, sockets, Drain(f"pod {uid}"), (uid, netns.id)))
         dns = self.dns(proxy.pi.local, sockets, reuse_port=self.config.inpod_port_reuse)
         if dns is not None:
             if proxy.socks5 is not None:

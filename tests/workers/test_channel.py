@@ -73,6 +73,26 @@ async def test_a_request_gets_its_answer(pair: tuple[End, End]) -> None:
     assert a.got == []  # answers never reach the handler
 
 
+async def test_request_sends_before_it_returns(pair: tuple[End, End]) -> None:
+    """``request`` copies the fds at once (a worker lets its accepted socket go right after handing it over); the
+    answer is awaited afterwards, and a closed channel fails it at once."""
+    a, b = pair
+    ours, theirs = socket.socketpair()
+    waiting = a.channel.request(p.HandOff(1, None), [ours.fileno()], p.Ack)
+    ours.close()
+    msg, fds = await next_message(b)
+    assert isinstance(msg, p.HandOff) and len(fds) == 1
+    with socket.socket(fileno=os.dup(fds[0])) as handed:
+        handed.sendall(b"through the copy")
+        assert theirs.recv(100) == b"through the copy"
+    b.channel.send(p.Ack(msg.request_id, "not taken"))
+    assert (await asyncio.wait_for(waiting, 10)).error == "not taken"
+    theirs.close()
+    a.channel.close()
+    with pytest.raises(ChannelClosed):
+        a.channel.request(p.HandOff(1, None), [], p.Ack)
+
+
 async def test_a_wrong_answer_type_is_an_error(pair: tuple[End, End]) -> None:
     a, b = pair
     call = TASKS.spawn(a.channel.call(p.Query("metrics"), response=p.Reply), "call")

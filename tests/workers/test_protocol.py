@@ -14,6 +14,7 @@ import pytest
 from ztunnel.config import WorkloadInfo, from_env
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
+from ztunnel.inpod.netns import NetnsId
 from ztunnel.localconfig import load_local_config
 from ztunnel.state import ProxyState, StateUpdate
 from ztunnel.state.service import Endpoint
@@ -37,7 +38,7 @@ def sample_messages() -> list[p.Message]:
     update = load_local_config(TWO_NODE, "cluster.local").update
     info = WorkloadInfo("client", "default", "client")
     return [
-        p.Start(1, from_env({"PROXY_CONFIG": '{"concurrency": 3}'}), on_demand=True),
+        p.Start(1, from_env({"PROXY_CONFIG": '{"concurrency": 3}'}), on_demand=True, load_board=True),
         p.snapshot_of(two_node_state()),
         p.Delta(7, update),
         p.CertificatePush(IDENTITY, data),
@@ -55,6 +56,9 @@ def sample_messages() -> list[p.Message]:
         p.Resync(3, 5),
         p.CertificateRequest(IDENTITY, request_id=9),
         p.OnDemandRequest(NetworkAddress.parse("/10.0.0.1"), request_id=10),
+        p.HandOff(1, None, request_id=13),
+        p.HandOff(0, ("Kubernetes//Pod/default/a", NetnsId(3, 4026532300)), request_id=14),
+        p.HandIn(("Kubernetes//Pod/default/a", NetnsId(3, 4026532300)), 1, request_id=15),
         p.Ack(11),
         p.Ack(11, "failed to start proxy"),
         p.Reply(12, [{"worker": 1, "id": 3}]),

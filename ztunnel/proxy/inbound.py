@@ -25,11 +25,14 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 
 from ztunnel import baggage, tls
 from ztunnel.identity.spiffe import Identity
+from ztunnel.net import format_addr
 from ztunnel.proxy.common import (
     BAGGAGE_HEADER,
     FORWARDED_HEADER,
@@ -45,7 +48,7 @@ from ztunnel.proxy.hbone.connection import HboneTransport, http2_settings
 from ztunnel.proxy.hbone.core import ConnectRequested, ErrorCode, HboneConnection
 from ztunnel.proxy.hbone.reason import CloseKind, CloseReason
 from ztunnel.proxy.hbone.stream import HboneStream
-from ztunnel.proxy.inputs import ProxyInputs
+from ztunnel.proxy.inputs import InboundBalance, ProxyInputs
 from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.metrics import DerivedWorkload
 from ztunnel.proxy.relay import PlainConnection
@@ -222,7 +225,29 @@ class Inbound(Listener):
         for conn in list(self.connections):
             conn.goaway()
 
-    def new_protocol(self) -> HboneTransport:
+    def new_protocol(self) -> asyncio.BaseProtocol:
+        balance = self.pi.balance
+        if balance is not None:
+            target = balance.pick()
+            if target is not None:
+                return _HandOff(balance, target)
+            balance.opened()
+        return self._accepted()
+
+    async def adopt(self, sock: socket.socket) -> None:
+        """Serve a connection another worker process accepted on 15008 and handed to this one (nothing was read from
+        it): as one accepted here, and never handed on. The socket is the transport's from here on."""
+        if self.pi.balance is not None:
+            self.pi.balance.opened()
+        conn = self._accepted()
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(lambda: conn, sock)
+        except BaseException:
+            conn.abort("the handed-over socket could not be served")  # counted closed, like any connection
+            sock.close()
+            raise
+
+    def _accepted(self) -> HboneTransport:
         conn = HboneTransport(
             HboneConnection(False, self.settings),
             None,
@@ -288,6 +313,8 @@ class Inbound(Listener):
 
     def _closed(self, conn: HboneTransport) -> None:
         self.connections.discard(conn)
+        if self.pi.balance is not None:
+            self.pi.balance.closed()
         reason = conn.close_reason
         if not conn.handshake_done and reason is not None and reason.tls_failure and conn.peer is not None:
             self._early_fail(conn, str(reason), ResponseFlag.TLS_FAILURE)
@@ -396,6 +423,33 @@ class Inbound(Listener):
         if not record.id:
             pi.connections.register(record, established=False)
         pi.connections.release(record, e.flag, str(e))
+
+
+class _HandOff(asyncio.Protocol):
+    """A connection accepted here that goes to worker ``target``: its socket is passed on as soon as the transport
+    exists (before reading is started, so before a byte is read) and this process's copy is let go, which leaves the
+    connection open (the copy on its way holds it)."""
+
+    __slots__ = ("balance", "target")
+
+    def __init__(self, balance: InboundBalance, target: int) -> None:
+        self.balance = balance
+        self.target = target
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        sock = transport.get_extra_info("socket")
+        try:
+            self.balance.hand_off(sock.fileno(), self.target)
+        except Exception as e:  # the channel to the control process ended: this worker is exiting
+            log.warning("inbound connection from %s could not be handed to worker %d: %s", _peer(sock), self.target, e)
+        cast(asyncio.Transport, transport).abort()  # uvloop's transports do not subclass asyncio.Transport
+
+
+def _peer(sock: socket.socket) -> str:
+    try:
+        return format_addr(*sock.getpeername()[:2])
+    except OSError:
+        return "a peer that left"
 
 
 def _check_source_identity(source: Workload, identity: Identity | None, ip: IPAddress) -> None:

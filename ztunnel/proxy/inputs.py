@@ -9,6 +9,7 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ztunnel.config import Config, WorkloadInfo
 from ztunnel.drain import Drain
@@ -88,6 +89,25 @@ class LocalWorkload:
 OnDemand = Callable[[NetworkAddress], Awaitable[None]]
 
 
+class InboundBalance(Protocol):
+    """Spreads the connections a worker process accepts on 15008 over the workers of its ztunnel (in a worker only;
+    ``ztunnel/workers/balance.py`` implements it, docs/process-model.md describes it). The listener asks
+    :meth:`pick` at every accept, before reading a byte."""
+
+    def pick(self) -> int | None:
+        """The worker to hand the connection just accepted to, or None to serve it here."""
+
+    def opened(self) -> None:
+        """A connection is served here (accepted and kept, or handed in)."""
+
+    def closed(self) -> None:
+        """A connection :meth:`opened` counted has closed."""
+
+    def hand_off(self, fd: int, target: int) -> None:
+        """Pass the accepted socket ``fd`` to worker ``target``; a copy is on its way when this returns (the caller
+        closes ``fd``). Raises ``ConnectionError`` when it cannot be sent."""
+
+
 @dataclass
 class ProxyInputs:
     """Everything a proxy's listeners share (upstream ``ProxyInputs``)."""
@@ -105,6 +125,8 @@ class ProxyInputs:
     rng: random.Random = field(default_factory=random.Random)
     # Set when XDS_ON_DEMAND=true: addresses missing from the state are asked for before deciding.
     on_demand: OnDemand | None = None
+    # Set in a worker process of a ztunnel with several: where the 15008 listener's connections are served.
+    balance: InboundBalance | None = None
 
     async def fetch_address(self, addr: NetworkAddress, client_ns: str | None = None) -> None:
         """Upstream ``fetch_address``: if no service VIP or workload has ``addr``, ask for it on demand and wait

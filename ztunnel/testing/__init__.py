@@ -437,6 +437,24 @@ async def hbone_request(
     return status, stream
 
 
+async def hbone_tunnel(conn: object, authority: str) -> tuple[int, asyncio.StreamReader, asyncio.StreamWriter]:
+    """A CONNECT on a raw HBONE connection (:func:`hbone_dial`); on 200 its stream is relayed to one end of a local
+    socket pair, whose other end is returned as asyncio streams: the client side of the tunnel (``write_eof`` ends
+    the stream, EOF on the reader is the peer's end). On another status the streams are at EOF already."""
+    from ztunnel.proxy.relay import PlainConnection
+
+    status, stream = await hbone_request(conn, authority)
+    ours, theirs = socket.socketpair()
+    if status == 200:
+        plain = PlainConnection()
+        await asyncio.get_running_loop().connect_accepted_socket(lambda: plain, sock=ours)
+        stream.attach(plain)  # type: ignore[attr-defined]
+    else:
+        ours.close()
+    reader, writer = await asyncio.open_connection(sock=theirs)
+    return status, reader, writer
+
+
 class TwoNodeMesh:
     """``examples/two-node.yaml`` moved to a random block of 127/8, so tests never collide with each other (or with
     a demo or benchmark holding the example's fixed addresses). ``edit`` may rewrite the YAML text first."""

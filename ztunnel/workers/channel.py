@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from ztunnel.errors import ZtunnelError
@@ -96,11 +96,24 @@ class Channel:
     async def call(self, request: Request, fds: Sequence[int] = (), response: type[R] = Response) -> R:  # type: ignore[assignment]
         """Send ``request`` (numbered here) and wait for its answer. Raises :class:`ChannelClosed` if the channel
         ends first, :class:`ChannelError` if the answer is not a ``response``."""
+        return await self.request(request, fds, response)
+
+    def request(self, request: Request, fds: Sequence[int] = (), response: type[R] = Response) -> Awaitable[R]:  # type: ignore[assignment]
+        """Send ``request`` now (its ``fds`` are copied before this returns, so the caller may close them) and
+        return what waits for its answer, as :meth:`call` does. Raises :class:`ChannelClosed` at once when the
+        channel has ended."""
         request.request_id = self._ids.next()
         fut: asyncio.Future[Response] = self._loop.create_future()
         self._pending[request.request_id] = fut
         try:
             self.send(request, fds)
+        except BaseException:
+            self._pending.pop(request.request_id, None)
+            raise
+        return self._answer(request, fut, response)
+
+    async def _answer(self, request: Request, fut: asyncio.Future[Response], response: type[R]) -> R:
+        try:
             answer = await fut
         finally:
             self._pending.pop(request.request_id, None)

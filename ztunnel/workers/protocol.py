@@ -6,19 +6,20 @@ stream is one end of a ``socketpair`` made by the control process and inherited 
 party can write to it (nothing on the network or the filesystem reaches it). It also keeps a 10,000-workload
 snapshot cheap to encode (~60 ms) without a second schema of every state type to maintain.
 
-File descriptors (a pod's network namespace) travel beside the bytes as ``SCM_RIGHTS``: the sender attaches a
-frame's fds to the first byte of that frame, and Linux delivers them with (or before) that byte, never after, so
-the decoder keeps received fds in arrival order and hands each frame the number its header announces. A frame
-whose fds have not arrived by the time its last byte has is a broken channel (the ancillary data was cut), not a
-reason to wait.
+File descriptors (a pod's network namespace, the load board, an accepted socket) travel beside the bytes as
+``SCM_RIGHTS``: the sender attaches a frame's fds to the first byte of that frame, and Linux delivers them with (or
+before) that byte, never after, so the decoder keeps received fds in arrival order and hands each frame the number
+its header announces. A frame whose fds have not arrived by the time its last byte has is a broken channel (the
+ancillary data was cut), not a reason to wait.
 
 Who asks what (requests carry a ``request_id`` the answer repeats; each side numbers its own):
 
 - control -> worker: :class:`Start`, :class:`Snapshot`, :class:`Delta`, :class:`CertificatePush`,
-  :class:`AddPod` / :class:`DelPod` (answered by :class:`Ack`), :class:`Drain`, :class:`Query` (answered by
-  :class:`Reply`), :class:`SetLogLevel`, and the answers :class:`CertificateReply` and :class:`OnDemandDone`;
+  :class:`AddPod` / :class:`DelPod` / :class:`HandIn` (answered by :class:`Ack`), :class:`Drain`, :class:`Query`
+  (answered by :class:`Reply`), :class:`SetLogLevel`, and the answers :class:`CertificateReply`,
+  :class:`OnDemandDone` and :class:`Ack`;
 - worker -> control: :class:`Ready`, :class:`Failed`, :class:`Resync`, :class:`CertificateRequest`,
-  :class:`OnDemandRequest`, and the answers :class:`Ack` and :class:`Reply`.
+  :class:`OnDemandRequest`, :class:`HandOff`, and the answers :class:`Ack` and :class:`Reply`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from ztunnel.config import Config, WorkloadInfo
 from ztunnel.errors import ZtunnelError
 from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.spiffe import Identity
+from ztunnel.inpod.netns import NetnsId
 from ztunnel.state import ProxyState, StateUpdate
 from ztunnel.state.service import Endpoint
 from ztunnel.state.workload import NamespacedHostname, NetworkAddress
@@ -47,7 +49,8 @@ HEADER = struct.Struct(">IH")
 # A snapshot of 10,000 workloads and 1,000 services pickles to ~8 MiB; 256 MiB bounds a corrupt length field
 # without ever limiting a real state.
 MAX_FRAME = 256 << 20
-# The most fds one frame carries (AddPod: one netns fd); the receiver's ancillary buffer has room for this many.
+# The most fds one frame carries (one: AddPod's netns, Start's load board, HandOff's and HandIn's socket); the
+# receiver's ancillary buffer has room for this many.
 MAX_FDS = 8
 
 
@@ -88,11 +91,14 @@ class Response(Message):
 
 @dataclass(slots=True)
 class Start(Message):
-    """First message to a worker: which worker it is and the control process's configuration."""
+    """First message to a worker: which worker it is and the control process's configuration. With ``load_board``
+    the frame carries the fd of the shared load board (:mod:`ztunnel.workers.balance`): the worker balances its
+    inbound HBONE connections with the others."""
 
     index: int
     config: Config
     on_demand: bool = False  # XDS_ON_DEMAND with an xDS client: ask the control process for unknown addresses
+    load_board: bool = False
 
 
 @dataclass(slots=True)
@@ -198,6 +204,22 @@ class OnDemandDone(Response):
     request_id: int
 
 
+# Which proxy of a worker serves a handed-over connection: None for the dedicated proxy; in-pod, the pod's uid and
+# the id of the network namespace the socket was accepted in (a pod re-added with a new namespace is another pod).
+ProxyKey = tuple[str, NetnsId]
+
+
+@dataclass(slots=True)
+class HandIn(Request):
+    """Serve the inbound HBONE connection whose accepted socket comes with this frame, on ``key``'s 15008 listener,
+    as if this worker had accepted it (and never hand it on). Answered by an Ack before a byte of it is read: an
+    error leaves the socket with the control process, which gives it to another worker."""
+
+    key: ProxyKey | None
+    origin: int  # the worker that accepted it
+    request_id: int = 0
+
+
 @dataclass(slots=True)
 class Ready(Message):
     """The worker applied its snapshot (at ``generation``) and its listeners are up."""
@@ -233,6 +255,17 @@ class OnDemandRequest(Request):
     """``XDS_ON_DEMAND``: ask the control plane for this address (answered by OnDemandDone)."""
 
     address: NetworkAddress
+    request_id: int = 0
+
+
+@dataclass(slots=True)
+class HandOff(Request):
+    """This worker accepted an inbound HBONE connection (its socket comes with this frame, not a byte read) and
+    asks for it to be served by worker ``target``. Answered by an Ack once some worker took it: no error when
+    ``target`` did, else why not (it then went back to this worker, or another, as a HandIn)."""
+
+    target: int
+    key: ProxyKey | None
     request_id: int = 0
 
 
@@ -378,9 +411,12 @@ __all__ = [
     "Delta",
     "Drain",
     "Failed",
+    "HandIn",
+    "HandOff",
     "Message",
     "OnDemandDone",
     "OnDemandRequest",
+    "ProxyKey",
     "Query",
     "Ready",
     "Reply",

@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,7 @@ from ztunnel.state import ProxyState, StateUpdate
 from ztunnel.state.workload import NetworkAddress
 from ztunnel.tasks import TaskGroup
 from ztunnel.workers import protocol as p
+from ztunnel.workers.balance import LoadBoard
 from ztunnel.workers.channel import Channel, ChannelClosed
 from ztunnel.workers.prefork import Preforked
 
@@ -149,6 +151,11 @@ class Supervisor:
         self.merger = MetricsMerger()
         self.draining = False
         self._block: BlockReady | None = None
+        # With several workers: the shared counts by which they spread inbound HBONE connections
+        # (ztunnel/workers/balance.py), made at start; and how many connections went from worker i to worker j
+        # (j None: none could take it).
+        self.board: LoadBoard | None = None
+        self.handoffs: Counter[tuple[int, int | None]] = Counter()
 
     # -- start -----------------------------------------------------------------------------------------------------
 
@@ -161,6 +168,8 @@ class Supervisor:
         self.state.observe(self._state_applied)
         if isinstance(self.certs, SecretManager):
             self.certs.watch(self._certificate_changed)
+        if len(self.handles) > 1 and self.board is None:
+            self.board = LoadBoard.create(len(self.handles))
         loop = asyncio.get_running_loop()
         for h in self.handles:
             h.started_result = loop.create_future()
@@ -239,7 +248,11 @@ class Supervisor:
             f"worker {h.index}",
         )
         on_demand = self.on_demand is not None
-        channel.send(p.Start(h.index, self.config, on_demand=on_demand))
+        board = self.board
+        channel.send(
+            p.Start(h.index, self.config, on_demand=on_demand, load_board=board is not None),
+            [board.fd] if board is not None else [],
+        )
         channel.send(p.snapshot_of(self.state))
         # In-pod: the pods it must serve before it counts as ready (a ZDS add meanwhile reaches it the usual way).
         catch_up = [self._add_pod(h, uid, pod.info, pod.netns) for uid, pod in self.pods.items()]
@@ -287,6 +300,8 @@ class Supervisor:
         if h.channel is not channel:
             return
         h.ready = True
+        if self.board is not None and not self.draining:
+            self.board.set_up(h.index, True)
         if h.started_result is not None and not h.started_result.done():
             h.started_result.set_result(None)
         log.info("worker %d (pid %s) ready", h.index, h.pid)
@@ -302,6 +317,8 @@ class Supervisor:
         code = h.returncode
         ran = time.monotonic() - h.started
         self.merger.exited(h.index)  # its counters are kept, its gauges dropped
+        if self.board is not None:
+            self.board.forget(h.index)
         if h.channel is not None:
             h.channel.close("the worker exited")
         h.ready = False
@@ -353,6 +370,8 @@ class Supervisor:
             return
         h.channel = None
         h.ready = False
+        if self.board is not None:
+            self.board.set_up(h.index, False)
         self._update_readiness()
         pid = h.pid
         if pid is None or self.draining or reason == "the worker exited":
@@ -388,8 +407,10 @@ class Supervisor:
     # -- messages from workers ---------------------------------------------------------------------------------------
 
     def _handle(self, h: WorkerHandle, channel: Channel, msg: p.Message, fds: list[int]) -> None:
-        for fd in fds:  # workers send none
-            os.close(fd)
+        if isinstance(msg, p.HandOff):
+            self._hand_off(h, channel, msg, fds)
+            return
+        _close(fds)  # only a HandOff carries one
         match msg:
             case p.Ready():
                 h.generation = msg.generation
@@ -411,6 +432,62 @@ class Supervisor:
                 self.tasks.spawn(self._on_demand(channel, msg), f"worker {h.index} on-demand")
             case _:
                 log.warning("worker %d sent an unexpected %s", h.index, p.describe(msg))
+
+    # -- inbound connections handed from one worker to another -------------------------------------------------------
+
+    def _hand_off(self, h: WorkerHandle, channel: Channel, msg: p.HandOff, fds: list[int]) -> None:
+        if not fds:
+            log.warning("worker %d handed over a connection without its socket", h.index)
+            with contextlib.suppress(ChannelClosed):
+                channel.send(p.Ack(msg.request_id, "no socket came with it"))
+            return
+        fd = fds.pop(0)
+        _close(fds)
+        self.tasks.spawn(self._relay(h, channel, msg, fd), f"worker {h.index} handoff")
+
+    async def _relay(self, origin: WorkerHandle, channel: Channel, msg: p.HandOff, fd: int) -> None:
+        """Give the socket to ``msg.target``; if it cannot take it, back to the worker that accepted it, else to any
+        other. This process keeps its copy until one acknowledged (before reading from it), so a refusal or a worker
+        that dies meanwhile never costs the connection: nothing has been read from it."""
+        order = dict.fromkeys([msg.target, origin.index, *(h.index for h in self.handles)])
+        taken: int | None = None
+        refused: list[str] = []
+        try:
+            for index in order:
+                h = self.handles[index] if 0 <= index < len(self.handles) else None
+                target = h.channel if h is not None else None
+                if h is None or target is None or not h.ready:
+                    refused.append(f"worker {index}: not serving")
+                    continue
+                log.debug("inbound connection accepted by worker %d: handing it to worker %d", origin.index, index)
+                try:
+                    ack = await target.call(p.HandIn(msg.key, origin.index), [fd], p.Ack)
+                except ChannelClosed:
+                    refused.append(f"worker {index}: gone")
+                    continue
+                if ack.error is None:
+                    taken = index
+                    break
+                refused.append(f"worker {index}: {ack.error}")
+        finally:
+            os.close(fd)
+            self.handoffs[(origin.index, taken)] += 1
+        if taken is None:
+            log.warning(
+                "an inbound connection accepted by worker %d was closed: no worker could take it (%s)",
+                origin.index,
+                "; ".join(refused),
+            )
+        elif taken != msg.target:
+            log.info(
+                "an inbound connection accepted by worker %d went to worker %d instead of %d (%s)",
+                origin.index,
+                taken,
+                msg.target,
+                "; ".join(refused),
+            )
+        with contextlib.suppress(ChannelClosed):
+            channel.send(p.Ack(msg.request_id, None if taken == msg.target else "; ".join(refused)))
 
     async def _certificate(self, h: WorkerHandle, channel: Channel, req: p.CertificateRequest) -> None:
         identity = req.identity
@@ -573,7 +650,17 @@ class Supervisor:
             labels = {"worker": str(h.index)}
             up.samples.append(Sample("ztunnel_worker_up", labels, 1.0 if h.ready else 0.0))
             restarts.samples.append(Sample("ztunnel_worker_restarts_total", labels, float(h.restarts)))
-        return [up, restarts]
+        handoffs = Metric(
+            "ztunnel_worker_inbound_handoffs",
+            f"Inbound HBONE connections a worker accepted and passed to the worker named by 'to' {unstable}",
+            "counter",
+        )
+        for (origin, taken), n in sorted(
+            self.handoffs.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1])
+        ):
+            labels = {"worker": str(origin), "to": "none" if taken is None else str(taken)}
+            handoffs.samples.append(Sample("ztunnel_worker_inbound_handoffs_total", labels, float(n)))
+        return [up, restarts, handoffs]
 
     # -- shutdown --------------------------------------------------------------------------------------------------
 
@@ -581,6 +668,9 @@ class Supervisor:
         """Tell every worker to drain (``deadline`` seconds when graceful) and wait for them all to exit; kill what is
         left ``EXIT_GRACE`` seconds after the deadline."""
         self.draining = True
+        if self.board is not None:
+            for h in self.handles:  # nothing is handed over during a drain: no worker takes new connections
+                self.board.set_up(h.index, False)
         for h in self.live():
             assert h.channel is not None
             with contextlib.suppress(ChannelClosed):
@@ -625,6 +715,12 @@ class PodFanout:
 
     async def start(self, uid: str, info: WorkloadInfo, netns: Netns) -> RemotePod:
         return await self.supervisor.add_pod(uid, info, netns)
+
+
+def _close(fds: Sequence[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _status(code: int | None) -> str:

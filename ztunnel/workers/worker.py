@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from ztunnel.metrics_merge import Snapshot, snapshot
 from ztunnel.proxy import Proxy
 from ztunnel.proxy.common import TlsContextCache
 from ztunnel.proxy.connection_manager import ConnectionRecord, connections_dump
+from ztunnel.proxy.inbound import Inbound
 from ztunnel.proxy.inputs import LocalWorkload
 from ztunnel.proxy.metrics import TrafficMetrics, flush_periodically
 from ztunnel.proxyfactory import PodProxies, ProxyFactory
@@ -50,6 +52,7 @@ from ztunnel.state import ProxyState
 from ztunnel.state.workload import NetworkAddress
 from ztunnel.tasks import TaskGroup
 from ztunnel.workers import protocol as p
+from ztunnel.workers.balance import LoadBoard, WorkerBalance
 from ztunnel.workers.channel import Channel, Handler
 from ztunnel.workers.process import set_cmdline, set_name
 
@@ -137,6 +140,7 @@ class Worker:
         self._pod_ops: asyncio.Queue[tuple[p.Message, list[int]]] = asyncio.Queue()
         self._host_fd: int | None = None
         self._done: asyncio.Future[int] | None = None
+        self.balance: WorkerBalance | None = None  # with other workers: the spread of inbound HBONE connections
         self._draining: asyncio.Task[None] | None = None
 
     async def run(self) -> int:
@@ -154,7 +158,8 @@ class Worker:
     def _handle(self, msg: p.Message, fds: list[int]) -> None:
         match msg:
             case p.Start():
-                self._start(msg)
+                self._start(msg, fds)
+                return
             case p.Snapshot():
                 first = self.generation is None and not self.serving
                 p.apply_snapshot(self.state, msg)
@@ -168,6 +173,9 @@ class Worker:
             case p.AddPod() | p.DelPod():
                 self._pod_ops.put_nowait((msg, fds))
                 return
+            case p.HandIn():
+                self._hand_in(msg, fds)
+                return
             case p.Query():
                 self._send(p.Reply(msg.request_id, self._answer(msg.what)))
             case p.Drain():
@@ -179,9 +187,7 @@ class Worker:
                     log.warning("worker %d: log filter %r not applied: %s", self.index, msg.spec, e)
             case _:
                 log.warning("worker %d: unexpected %s from the control process", self.index, p.describe(msg))
-        for fd in fds:  # only AddPod carries one, and it took it above
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        _close(fds)  # the messages that carry fds took them above
 
     def _send(self, msg: p.Message) -> None:
         assert self.channel is not None
@@ -195,7 +201,7 @@ class Worker:
             log.warning("worker %d: channel to the control process ended (%s); exiting", self.index, reason)
         self._exit(0 if self._draining is not None else 1)
 
-    def _start(self, msg: p.Start) -> None:
+    def _start(self, msg: p.Start, fds: list[int]) -> None:
         cfg = self.config = msg.config
         self.index = msg.index
         # How ps, top and the benchmark tell the workers apart: the name, and "--index <i>" on the command line.
@@ -212,6 +218,9 @@ class Worker:
         dns_metrics = DnsMetrics(dns_registry)
         assert self.channel is not None
         self.certs = RemoteCertificates(self.channel)
+        if msg.load_board and fds:
+            self.balance = WorkerBalance(self.index, LoadBoard.attach(fds.pop(0)), self.channel)
+        _close(fds)
         self.factory = ProxyFactory(
             cfg,
             self.state,
@@ -221,6 +230,7 @@ class Worker:
             dns_metrics,
             on_demand=self._on_demand if msg.on_demand else None,
             shared_ports=True,
+            balance=self.balance.bind if self.balance is not None else None,
         )
         if cfg.proxy_mode is ProxyMode.SHARED:
             self._host_fd = host_netns_fd()
@@ -244,6 +254,54 @@ class Worker:
             return
         self.state.apply(msg.update)
         self.generation = msg.generation
+
+    # -- inbound connections handed over by another worker ----------------------------------------------------------
+
+    def _hand_in(self, msg: p.HandIn, fds: list[int]) -> None:
+        """Serve the connection that came with ``msg`` on the proxy it names, or say why not (the control process
+        then gives it to another worker). The Ack goes out before a byte of it is read: once the control process
+        has it, the connection is this worker's."""
+        fd = fds.pop(0) if fds else None
+        _close(fds)
+        inbound = self._inbound(msg.key)
+        if fd is None:
+            error = "no socket came with it"
+        elif self._draining is not None:
+            error = "draining"
+        elif not self.serving:
+            error = "not serving yet"
+        elif inbound is None:
+            error = f"no proxy for pod {msg.key[0]}" if msg.key is not None else "no inbound listener"
+        else:
+            try:
+                sock = socket.socket(fileno=fd)
+            except OSError as e:
+                error = f"not a socket: {e}"
+            else:
+                self._send(p.Ack(msg.request_id))
+                self.tasks.spawn(self._adopt(inbound, sock), "inbound handed in")
+                return
+        _close([fd] if fd is not None else [])
+        self._send(p.Ack(msg.request_id, error))
+
+    async def _adopt(self, inbound: Inbound, sock: socket.socket) -> None:
+        assert self.channel is not None
+        # Read nothing before the Ack has left (it may wait behind a large reply): a worker that died with the Ack
+        # unsent must leave an untouched socket to the control process, which then gives it to another worker.
+        await self.channel.drained()
+        if self.channel.closed:
+            sock.close()
+            return
+        try:
+            await inbound.adopt(sock)
+        except OSError as e:  # the peer left meanwhile
+            log.debug("worker %d: a handed-in inbound connection could not be served: %s", self.index, e)
+
+    def _inbound(self, key: p.ProxyKey | None) -> Inbound | None:
+        if key is None:
+            return self.proxy.inbound if self.proxy is not None else None
+        pod = self.pods.get(key[0])
+        return pod.proxies.proxy.inbound if pod is not None and pod.netns.id == key[1] else None
 
     async def _on_demand(self, addr: NetworkAddress) -> None:
         assert self.channel is not None
@@ -389,6 +447,12 @@ class Worker:
         self.pods.clear()
         log.info("worker %d drained", self.index)
         self._exit(0)
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 __all__ = ["ChannelFactory", "RemoteCertificates", "Worker"]
