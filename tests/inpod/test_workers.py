@@ -8,19 +8,24 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import signal
 import socket
+import struct
 import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.inpod.cluster import Cluster, running_cluster, topology
-from ztunnel.testing import children_of, eventually
+from tests.inpod.cluster import Cluster, metric_sum, running_cluster, topology
+from ztunnel.identity.ca import LocalCA
+from ztunnel.identity.spiffe import Identity
+from ztunnel.testing import children_of, eventually, hbone_dial, hbone_tunnel
 from ztunnel.testing import netns as tn
 
 __all__ = ["topology"]  # fixtures
@@ -134,3 +139,84 @@ async def test_a_killed_worker_comes_back_with_every_pod(cluster: Cluster) -> No
         sock.close()
     assert [echoed for echoed, _ in results] == [b"call %d\n" % i for i in range(20)]
     assert replacement in after
+
+
+async def test_inbound_hbone_connections_the_kernel_gives_one_worker_are_served_by_both(cluster: Cluster) -> None:
+    """The balance in-pod: server-a's 15008 (one listener per worker, in the pod's namespace) gets two long-lived
+    HBONE connections from source ports the kernel gives one worker (found by probing: a connection reaching an
+    idle ztunnel stays where the kernel put it); the second is handed to the other worker, which serves it with the
+    same pod's proxy. The raw HBONE client runs in the "plain" pod (not in the mesh: nothing captures it)."""
+    c = cluster
+    plain, server = c.pods["plain"], c.pods["server-a"]
+    cert = LocalCA.load_or_create(c.work / "ca", "cluster.local").issue(
+        Identity("cluster.local", "default", "client"), timedelta(hours=1)
+    )
+    authority = f"{server.ip}:8080"
+
+    def rows() -> list[dict[str, Any]]:
+        return [r for r in admin(c, "node1", "/connections") if r["direction"] == "inbound"]
+
+    async def row_of(port: int) -> dict[str, Any]:
+        src = f"{plain.ip}:{port}"
+        for _ in range(200):
+            found = [r for r in await asyncio.to_thread(rows) if r["src"] == src]
+            if found:
+                return found[0]
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no inbound row from {src}")
+
+    async def idle() -> None:
+        for _ in range(400):
+            if not await asyncio.to_thread(rows):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("node1 still has inbound connections")
+
+    async def open_tunnel(port: int) -> tuple[Any, asyncio.StreamReader, asyncio.StreamWriter]:
+        conn = await hbone_dial((server.ip, 15008), cert, local_addr=(plain.ip, port))
+        status, reader, writer = await hbone_tunnel(conn, authority)
+        assert status == 200
+        assert (await reader.readline()).startswith(b"peer=")  # the app's greeting
+        return conn, reader, writer
+
+    async def scenario() -> tuple[int, dict[str, Any], dict[str, Any], list[bytes]]:
+        seen: dict[int, int] = {}
+        pair: tuple[int, int, int] | None = None
+        for port in random.sample(range(20000, 61000), 40):
+            try:
+                conn, _, writer = await open_tunnel(port)
+            except OSError:
+                continue
+            worker = int((await row_of(port))["worker"])
+            writer.close()
+            sock = conn.transport.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # no TIME_WAIT
+            conn.abort("probe done")
+            await idle()
+            if worker in seen:
+                pair = (seen[worker], port, worker)
+                break
+            seen[worker] = port
+        assert pair is not None, seen
+        p1, p2, x = pair
+        first = await open_tunnel(p1)
+        row1 = await row_of(p1)
+        second = await open_tunnel(p2)
+        row2 = await row_of(p2)
+        echoed = []
+        for conn, reader, writer in (first, second):
+            writer.write(b"through pod server-a\n")
+            writer.write_eof()
+            echoed.append(await asyncio.wait_for(reader.read(), 10))
+            writer.close()
+            conn.close("done")
+        return x, row1, row2, echoed
+
+    before = await asyncio.to_thread(c.scrape, "node1")
+    x, row1, row2, echoed = await c.topo.loop_thread(plain, "hbone-client").run(scenario())
+    assert echoed == [b"through pod server-a\n"] * 2
+    assert (row1["worker"], row2["worker"]) == (x, 1 - x)  # the kernel gave both to x
+    assert row1["dstWorkload"] == row2["dstWorkload"] == "server-a"
+    after = await asyncio.to_thread(c.scrape, "node1")
+    moved = metric_sum(after.get("ztunnel_worker_inbound_handoffs", []), worker=str(x), to=str(1 - x))
+    assert moved - metric_sum(before.get("ztunnel_worker_inbound_handoffs", []), worker=str(x), to=str(1 - x)) == 1
