@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from ztunnel.config import from_env
+from ztunnel.identity.ca import LocalCA
+from ztunnel.identity.manager import LocalCertificateProvider
 from ztunnel.readiness import Readiness
 from ztunnel.state import ProxyState
-from ztunnel.testing.control_plane import InProcessCaClient
 from ztunnel.workers import protocol as p
 from ztunnel.workers.channel import Channel
 from ztunnel.workers.supervisor import Supervisor, WorkerHandle
@@ -50,12 +51,16 @@ class FakeWorker:
 @pytest.fixture
 async def control() -> AsyncIterator[tuple[Supervisor, list[FakeWorker]]]:
     cfg = from_env({"ZTUNNEL_WORKER_THREADS": "3", "FAKE_CA": "true", "XDS_ADDRESS": ""})
-    sup = Supervisor(cfg, ProxyState(), InProcessCaClient(), Readiness())
+    sup = Supervisor(cfg, ProxyState(), LocalCertificateProvider(LocalCA.generate("cluster.local")), Readiness())
     workers: list[FakeWorker] = []
     for h in sup.handles:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         holder: list[FakeWorker] = []
-        worker = FakeWorker(Channel(theirs, lambda msg, fds, w=holder: w[0].handle(msg, fds), lambda r: None, "w"))
+
+        def on_worker_message(msg: p.Message, fds: list[int], w: list[FakeWorker] = holder) -> None:
+            w[0].handle(msg, fds)
+
+        worker = FakeWorker(Channel(theirs, on_worker_message, lambda r: None, "w"))
         holder.append(worker)
         workers.append(worker)
 
@@ -160,6 +165,6 @@ async def test_what_no_worker_takes_is_closed_and_counted(
     client.settimeout(10)
     assert client.recv(100) == b""  # every copy closed: the client sees the end
     assert handoffs(sup) == {("0", "none"): 1.0}
-    assert any(
-        r.levelno == logging.WARNING and "no worker could take it" in r.getMessage() for r in caplog.records
-    ), caplog.text
+    assert any(r.levelno == logging.WARNING and "no worker could take it" in r.getMessage() for r in caplog.records), (
+        caplog.text
+    )
