@@ -277,6 +277,7 @@ class _Subject:
 class _CompiledMatch:
     __slots__ = (
         "dst",
+        "index",
         "namespaces",
         "not_dst",
         "not_namespaces",
@@ -290,7 +291,8 @@ class _CompiledMatch:
         "src",
     )
 
-    def __init__(self, m: Match) -> None:
+    def __init__(self, m: Match, index: int = 0) -> None:
+        self.index = index  # the match's position in its clause (what ``ztunnel explain`` reports)
         self.dst, self.not_dst = _nets(m.destination_ips), _nets(m.not_destination_ips)
         self.src, self.not_src = _nets(m.source_ips), _nets(m.not_source_ips)
         self.ports, self.not_ports = frozenset(m.destination_ports), frozenset(m.not_destination_ports)
@@ -301,32 +303,53 @@ class _CompiledMatch:
         self.namespaces = _Strings(m.namespaces) if m.namespaces else None
         self.not_namespaces = _Strings(m.not_namespaces) if m.not_namespaces else None
 
-    def matches(self, s: _Subject) -> bool:
-        # Field kinds are AND-ed (values of one kind OR-ed; a not_ list holds when none of it matches), in
-        # upstream's order: destination IPs first, which is where most non-matching rules stop.
+    def mismatch(self, s: _Subject) -> str | None:
+        """None if the match holds, else the first field (upstream's name) that does not.
+
+        Field kinds are AND-ed (values of one kind OR-ed; a not_ list holds when none of it matches), in upstream's
+        order: destination IPs first, which is where most non-matching rules stop. Returning a constant string costs
+        what returning False does, so the proxy's evaluation and ``ztunnel explain`` share this one code path."""
         if self.dst and not _in_nets(self.dst, s.dst_v, s.dst):
-            return False
+            return "destinationIps"
         if self.not_dst and _in_nets(self.not_dst, s.dst_v, s.dst):
-            return False
+            return "notDestinationIps"
         if self.src and not _in_nets(self.src, s.src_v, s.src):
-            return False
+            return "sourceIps"
         if self.not_src and _in_nets(self.not_src, s.src_v, s.src):
-            return False
+            return "notSourceIps"
         if self.ports and s.port not in self.ports:
-            return False
+            return "destinationPorts"
         if self.not_ports and s.port in self.not_ports:
-            return False
+            return "notDestinationPorts"
         if self.sas and s.ns_sa not in self.sas:
-            return False
+            return "serviceAccounts"
         if self.not_sas and s.ns_sa in self.not_sas:
-            return False
+            return "notServiceAccounts"
         if self.principals is not None and not self.principals.any(s.principal):
-            return False
+            return "principals"
         if self.not_principals is not None and self.not_principals.any(s.principal):
-            return False
+            return "notPrincipals"
         if self.namespaces is not None and not self.namespaces.any(s.namespace):
-            return False
-        return not (self.not_namespaces is not None and self.not_namespaces.any(s.namespace))
+            return "namespaces"
+        if self.not_namespaces is not None and self.not_namespaces.any(s.namespace):
+            return "notNamespaces"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class ClauseTrace:
+    """One clause of a rule, evaluated: whether it held, and for each of its matches (by position in the clause)
+    the first field that did not hold (None: the match held; ``"empty"``: a match with no fields, skipped)."""
+
+    held: bool
+    matches: tuple[tuple[int, str | None], ...]
+    empty: bool  # an empty clause: true by definition
+
+
+@dataclass(frozen=True, slots=True)
+class RuleTrace:
+    held: bool
+    clauses: tuple[ClauseTrace, ...]
 
 
 class CompiledRules:
@@ -335,13 +358,17 @@ class CompiledRules:
     ``ports`` is the set of destination ports outside which these rules can never match (None: any port may), the
     key of the :class:`Plan`'s port index."""
 
-    __slots__ = ("ports", "rules")
+    __slots__ = ("ports", "rules", "source")
 
     def __init__(self, rules: tuple[tuple[tuple[Match, ...], ...], ...]) -> None:
+        self.source = rules
         # A match with every field empty never matches (upstream skips it): drop it here. An empty clause is
         # true, so it stays as an empty tuple; a clause whose matches were all dropped is false.
         self.rules = tuple(
-            tuple((tuple(_CompiledMatch(m) for m in clause if not m.is_empty()), not clause) for clause in rule)
+            tuple(
+                (tuple(_CompiledMatch(m, i) for i, m in enumerate(clause) if not m.is_empty()), not clause)
+                for clause in rule
+            )
             for rule in rules
         )
         self.ports = self._required_ports()
@@ -372,13 +399,27 @@ class CompiledRules:
                 if empty:
                     continue
                 for m in matches:
-                    if m.matches(s):
+                    if m.mismatch(s) is None:
                         break
                 else:
                     break  # no match in this clause: the rule fails
             else:
                 return True  # every clause held
         return False
+
+    def trace(self, conn: Connection) -> tuple[RuleTrace, ...]:
+        """Every rule, clause and match evaluated against ``conn`` (no short cut), for ``ztunnel explain``; a rule
+        holds here exactly when :meth:`matches` would find it (the same compiled matches decide)."""
+        s = _Subject(conn)
+        out = []
+        for compiled, source in zip(self.rules, self.source, strict=True):
+            clauses = []
+            for (matches, empty), clause in zip(compiled, source, strict=True):
+                by_index = {m.index: m.mismatch(s) for m in matches}
+                results = tuple((i, by_index.get(i, "empty")) for i in range(len(clause)))
+                clauses.append(ClauseTrace(empty or any(r is None for _, r in results), results, empty))
+            out.append(RuleTrace(all(c.held for c in clauses), tuple(clauses)))
+        return tuple(out)
 
 
 _interned: dict[tuple[tuple[tuple[Match, ...], ...], ...], CompiledRules] = {}
@@ -460,9 +501,17 @@ class Plan:
         self.allow = _PortIndex(list(groups[(Action.ALLOW, False)].values()))
         self.allow_dry = list(groups[(Action.ALLOW, True)].values())
 
-    def evaluate(self, conn: Connection, log: logging.Logger | None = None, log_level: int = 0) -> Decision:
+    def evaluate(
+        self,
+        conn: Connection,
+        log: logging.Logger | None = None,
+        log_level: int = 0,
+        recorder: Callable[[str, Authorization | None], None] | None = None,
+    ) -> Decision:
+        """The decision for ``conn``. Each step (a dry-run match, the DENY or ALLOW that decided, no ALLOW match) is
+        logged at ``log_level`` on ``log``, or, with ``recorder``, told to it instead (``ztunnel explain``)."""
         s = _Subject(conn)
-        say = _logger(log, log_level, conn)
+        say = recorder if recorder is not None else _logger(log, log_level, conn)
         if say is not None:
             for _, rules, ps in self.deny_dry:
                 if rules.matches(s):

@@ -57,6 +57,7 @@ from ztunnel.state import ProxyState
 from ztunnel.state.service import LoadBalancerMode
 from ztunnel.state.upstream import (
     ServiceDescription,
+    Trace,
     Upstream,
     UpstreamError,
     fetch_upstream,
@@ -96,35 +97,51 @@ def build_request(
     network: str,
     rng: random.Random,
     hbone_port: int = 15008,
+    trace: Trace | None = None,
 ) -> Request:
-    """Decide how to reach ``target`` (upstream ``build_request``). Raises :class:`ProxyError` when it cannot."""
+    """Decide how to reach ``target`` (upstream ``build_request``). Raises :class:`ProxyError` when it cannot.
+
+    ``trace`` (``ztunnel explain``) is told each step and why; the proxy passes none."""
     ip, port = target
     try:
         service = state.services.get_best_by_vip(NetworkAddress(network, ip), source.namespace)
+        if trace is not None and service is not None:
+            trace("service", f"{format_addr(ip, port)} is a VIP of service {service.namespace}/{service.hostname}")
         if service is not None:
-            waypoint = service_waypoint(state, service, source, ip, rng)
+            waypoint = service_waypoint(state, service, source, ip, rng, trace)
             if waypoint is not None:
                 _same_network(waypoint, source)
                 return _to_gateway(waypoint, source, target, ServiceDescription.of(service), hbone_port)
-        us = fetch_upstream(state, source.network, source, ip, port, rng)
+        us = fetch_upstream(state, source.network, source, ip, port, rng, trace)
         if us is None:
             if service is not None and (
                 service.load_balancer is None or service.load_balancer.mode is not LoadBalancerMode.PASSTHROUGH
             ):
                 raise ProxyError(f"no healthy upstream for {format_addr(ip, port)}")
             # Not in the mesh (or a passthrough service): plain TCP to where the client was going.
+            if trace is not None:
+                trace("protocol", "passthrough: plain TCP to the original destination (nothing in the mesh matches)")
             return Request(OutboundProtocol.TCP, source, target, None, None, None, ())
         _same_network(us, source)
         if service is None and not _from_waypoint(state, us.workload, source, downstream):
-            wp = workload_waypoint(state, us.workload, source, ip, rng)
+            wp = workload_waypoint(state, us.workload, source, ip, rng, trace)
             if wp is not None:
                 return _to_gateway(wp, source, target, us.destination_service, hbone_port)
+        elif trace is not None and service is None:
+            trace("waypoint", "skipped: the source is the destination's own waypoint (traffic goes direct)")
     except UpstreamError as e:
         raise ProxyError(str(e)) from None
     if us.selected_ip is None and not us.needs_dns:
         raise ProxyError(f"no valid destination for workload {us.workload.name}")
     selected = us.selected_ip if us.selected_ip is not None else ip
     resolve = us.workload.hostname if us.needs_dns else None
+    if trace is not None:
+        kind = (
+            "HBONE: the destination is in the mesh"
+            if us.workload.protocol is InboundProtocol.HBONE
+            else ("plain TCP: the destination workload is not in the mesh (protocol TCP)")
+        )
+        trace("protocol", kind)
     if us.workload.protocol is InboundProtocol.HBONE:
         return Request(
             OutboundProtocol.HBONE,

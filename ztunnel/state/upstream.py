@@ -10,6 +10,7 @@ import enum
 import logging
 import random
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ztunnel.errors import ZtunnelError
 from ztunnel.identity.spiffe import Identity
@@ -24,6 +25,13 @@ from ztunnel.state.workload import (
 )
 
 log = logging.getLogger("ztunnel.state")
+
+
+class Trace(Protocol):
+    """Told each step of a routing decision and why (``ztunnel explain``). The proxy passes none: every call site
+    is ``if trace is not None``, so routing a connection pays one comparison per step for the feature."""
+
+    def __call__(self, step: str, message: str, /, **data: Any) -> None: ...
 
 
 class ResolutionMode(enum.Enum):
@@ -88,24 +96,36 @@ def find_upstream(
     port: int,
     mode: ResolutionMode,
     rng: random.Random,
+    trace: Trace | None = None,
 ) -> tuple[Workload, int, Service | None] | object | None:
     """(workload, target port, service) for ``ip:port``; the passthrough marker; or None if nothing matches."""
     addr = NetworkAddress(network, ip)
     svc = state.services.get_best_by_vip(addr, source.namespace)
     if svc is not None:
         if svc.load_balancer is not None and svc.load_balancer.mode is LoadBalancerMode.PASSTHROUGH:
+            if trace is not None:
+                trace("passthrough", f"service {svc.namespace}/{svc.hostname} has load balancer mode Passthrough")
             return _ORIGINAL_DESTINATION
-        return find_upstream_from_service(state, source, port, mode, svc, rng)
+        return find_upstream_from_service(state, source, port, mode, svc, rng, trace)
     wl = state.workloads.find_address(addr)
+    if trace is not None:
+        found = f"workload {wl.namespace}/{wl.name} (uid {wl.uid})" if wl is not None else "no workload"
+        trace("workload", f"no service VIP {addr}: {found} at that address", workload=wl.uid if wl else None)
     if wl is not None:
         return (wl, port, None)
     return None
 
 
 def find_upstream_from_service(
-    state: ProxyState, source: Workload, svc_port: int, mode: ResolutionMode, svc: Service, rng: random.Random
+    state: ProxyState,
+    source: Workload,
+    svc_port: int,
+    mode: ResolutionMode,
+    svc: Service,
+    rng: random.Random,
+    trace: Trace | None = None,
 ) -> tuple[Workload, int, Service] | None:
-    picked = load_balance(state, source, svc, svc_port, mode, rng)
+    picked = load_balance(state, source, svc, svc_port, mode, rng, trace)
     if picked is None:
         log.debug("service %s has no healthy endpoints", svc.hostname)
         return None
@@ -114,39 +134,60 @@ def find_upstream_from_service(
     ep_target = ep.port.get(svc_port)
     if ep_target is not None:
         target = ep_target  # the endpoint's own mapping wins
+        why = f"the endpoint's own port map: {svc_port} -> {target}"
     elif svc_target > 0:
         target = svc_target
+        why = f"the service's ports: {svc_port} -> {target}"
     elif wl.application_tunnel is not None and wl.application_tunnel.port is not None:
         target = svc_port  # an app tunnel does not need the port on the service
+        why = f"the workload's application tunnel (port {wl.application_tunnel.port}) keeps port {svc_port}"
     else:
         log.debug("found service %s, but port %d was unknown", svc.hostname, svc_port)
+        if trace is not None:
+            trace("port", f"service {svc.hostname} has no mapping for port {svc_port}", target_port=None)
         return None
+    if trace is not None:
+        trace("port", why, service_port=svc_port, target_port=target)
     return (wl, target, svc)
 
 
 def load_balance(
-    state: ProxyState, src: Workload, svc: Service, svc_port: int, mode: ResolutionMode, rng: random.Random
+    state: ProxyState,
+    src: Workload,
+    svc: Service,
+    svc_port: int,
+    mode: ResolutionMode,
+    rng: random.Random,
+    trace: Trace | None = None,
 ) -> tuple[Endpoint, Workload] | None:
     """Pick an endpoint: healthy ones, ranked by routing preference (STRICT/FAILOVER), weighted by capacity."""
     target_port = svc.ports.get(svc_port)
     if mode is ResolutionMode.STANDARD and target_port is None:
         log.debug("service %s does not have port %d", svc.hostname, svc_port)
+        if trace is not None:
+            trace("endpoints", f"service {svc.hostname} does not have port {svc_port}: no endpoint can be picked")
         return None
     candidates: list[tuple[Endpoint, Workload]] = []
     for ep in svc.endpoints.values():
+        skip = ""
+        wl = None
         if not svc.should_include_endpoint(ep.status):
-            continue
-        wl = state.workloads.find_uid(ep.workload_uid)
-        if wl is None:
-            continue
-        has_address = bool(wl.workload_ips) or bool(wl.hostname)
-        # A workload without an address is reachable only through its network gateway, on another network.
-        if not has_address and (wl.network == src.network or wl.network_gateway is None):
-            continue
-        if mode is ResolutionMode.STANDARD:
+            skip = "unhealthy, and the service's health policy takes only healthy endpoints"
+        elif (wl := state.workloads.find_uid(ep.workload_uid)) is None:
+            skip = "no workload with this uid"
+        elif not (bool(wl.workload_ips) or bool(wl.hostname)) and (
+            wl.network == src.network or wl.network_gateway is None
+        ):
+            # A workload without an address is reachable only through its network gateway, on another network.
+            skip = "no address, and no network gateway on another network"
+        elif mode is ResolutionMode.STANDARD:
             if not target_port and svc_port not in ep.port:
-                continue  # a named target port this endpoint does not define
+                skip = "the service names its target port, and this endpoint does not define it"
         elif target_port is None and wl.application_tunnel is None:
+            skip = "the service lacks the port, and the workload has no application tunnel"
+        if trace is not None:
+            trace("candidate", skip or "eligible", workload=ep.workload_uid, eligible=not skip)
+        if skip or wl is None:
             continue
         candidates.append((ep, wl))
     lb = svc.load_balancer
@@ -178,7 +219,13 @@ def load_balance(
                     break
                 rank += 1
             if lb.mode is LoadBalancerMode.STRICT and rank != len(prefs):
+                if trace is not None:
+                    trace(
+                        "rank", f"Strict: matches {rank} of {len(prefs)} preferences, dropped", workload=ep.workload_uid
+                    )
                 continue
+            if trace is not None:
+                trace("rank", f"rank {rank + adjust} ({lb.mode.value})", workload=ep.workload_uid, rank=rank + adjust)
             ranked.append((rank + adjust, ep, wl))
         if not ranked:
             return None
@@ -187,10 +234,16 @@ def load_balance(
     weights = [max(wl.capacity, 0) for _, wl in candidates]
     if not sum(weights):
         # No candidates, or all of capacity 0: upstream's choose_weighted fails, so there is no upstream.
+        if trace is not None:
+            trace("pick", "no eligible endpoint with capacity above 0: no upstream", picked=None)
         return None
-    if len(candidates) == 1:
-        return candidates[0]
-    return rng.choices(candidates, weights=weights)[0]
+    picked = candidates[0] if len(candidates) == 1 else rng.choices(candidates, weights=weights)[0]
+    if trace is not None:
+        total = sum(weights)
+        chances = {ep.workload_uid: w / total for (ep, _), w in zip(candidates, weights, strict=True)}
+        how = "the only one" if len(candidates) == 1 else f"random among {len(candidates)}, weighted by capacity"
+        trace("pick", how, picked=picked[0].workload_uid, chances=chances)
+    return picked
 
 
 def pick_workload_ip(dst: Workload, original_ip: IPAddress, family: IpFamily | None) -> tuple[IPAddress | None, bool]:
@@ -210,13 +263,26 @@ def pick_workload_ip(dst: Workload, original_ip: IPAddress, family: IpFamily | N
 
 
 def finalize_upstream(
-    found: tuple[Workload, int, Service | None] | object | None, original_ip: IPAddress
+    found: tuple[Workload, int, Service | None] | object | None, original_ip: IPAddress, trace: Trace | None = None
 ) -> Upstream | None:
     if found is None or found is _ORIGINAL_DESTINATION:
         return None
     assert isinstance(found, tuple)
     wl, port, svc = found
     ip, needs_dns = pick_workload_ip(wl, original_ip, svc.ip_families if svc is not None else None)
+    if trace is not None:
+        how = (
+            "the address dialled"
+            if ip == original_ip
+            else "resolve the workload's hostname"
+            if needs_dns
+            else "through its network gateway"
+            if ip is None
+            else "the workload's first address of the right family"
+        )
+        trace(
+            "address", f"{wl.namespace}/{wl.name}: {ip if ip is not None else '-'} ({how})", ip=str(ip) if ip else None
+        )
     return Upstream(
         workload=wl,
         selected_ip=ip,
@@ -228,9 +294,16 @@ def finalize_upstream(
 
 
 def fetch_upstream(
-    state: ProxyState, network: str, source: Workload, ip: IPAddress, port: int, rng: random.Random
+    state: ProxyState,
+    network: str,
+    source: Workload,
+    ip: IPAddress,
+    port: int,
+    rng: random.Random,
+    trace: Trace | None = None,
 ) -> Upstream | None:
-    return finalize_upstream(find_upstream(state, network, source, ip, port, ResolutionMode.STANDARD, rng), ip)
+    found = find_upstream(state, network, source, ip, port, ResolutionMode.STANDARD, rng, trace)
+    return finalize_upstream(found, ip, trace)
 
 
 def fetch_gateway(
@@ -240,24 +313,25 @@ def fetch_gateway(
     original_ip: IPAddress,
     rng: random.Random,
     what: str = "waypoint",
+    trace: Trace | None = None,
 ) -> Upstream:
     """Resolve a waypoint or network gateway address (by IP or, preferably, by service hostname)."""
     mode = ResolutionMode.WAYPOINT if what == "waypoint" else ResolutionMode.STANDARD
     dest = gw.destination
     if isinstance(dest, NetworkAddress):
-        found = find_upstream(state, dest.network, source, dest.address, gw.hbone_mtls_port, mode, rng)
+        found = find_upstream(state, dest.network, source, dest.address, gw.hbone_mtls_port, mode, rng, trace)
         target_ip = dest.address
     else:
         svc = state.services.get(NamespacedHostname(dest.namespace, dest.hostname))
         if svc is not None:
-            found = find_upstream_from_service(state, source, gw.hbone_mtls_port, mode, svc, rng)
+            found = find_upstream_from_service(state, source, gw.hbone_mtls_port, mode, svc, rng, trace)
         else:
             wl = _workload_by_hostname(state, dest)
             if wl is None:
                 raise UpstreamError(f"{what} {dest.hostname} not found")
             found = (wl, gw.hbone_mtls_port, None)
         target_ip = original_ip  # adapt to the caller's IP family
-    up = finalize_upstream(found, target_ip)
+    up = finalize_upstream(found, target_ip, trace)
     if up is None:
         raise UpstreamError(f"{what} {_gw_str(gw)} not found")
     return up
@@ -296,24 +370,46 @@ def _gw_str(gw: GatewayAddress) -> str:
 
 
 def service_waypoint(
-    state: ProxyState, svc: Service, source: Workload, original_ip: IPAddress, rng: random.Random
+    state: ProxyState,
+    svc: Service,
+    source: Workload,
+    original_ip: IPAddress,
+    rng: random.Random,
+    trace: Trace | None = None,
 ) -> Upstream | None:
     """The service's waypoint: one of ``weighted_waypoints`` by weight, else ``waypoint``, else None."""
     gw: GatewayAddress | None = None
+    why = ""
     if svc.weighted_waypoints:
         weights = [max(w.weight, 0) for w in svc.weighted_waypoints]
         if sum(weights) > 0:
             gw = rng.choices(svc.weighted_waypoints, weights=weights)[0].destination
+            why = f"picked by weight among {len(weights)} weighted waypoints"
     if gw is None:
         gw = svc.waypoint
+        why = "the service's waypoint"
+    if trace is not None:
+        trace(
+            "waypoint",
+            f"service {svc.hostname}: {why} {_gw_str(gw)}" if gw is not None else f"service {svc.hostname}: none",
+            waypoint=_gw_str(gw) if gw is not None else None,
+        )
     if gw is None:
         return None
-    return fetch_gateway(state, gw, source, original_ip, rng)
+    return fetch_gateway(state, gw, source, original_ip, rng, trace=trace)
 
 
 def workload_waypoint(
-    state: ProxyState, wl: Workload, source: Workload, original_ip: IPAddress, rng: random.Random
+    state: ProxyState,
+    wl: Workload,
+    source: Workload,
+    original_ip: IPAddress,
+    rng: random.Random,
+    trace: Trace | None = None,
 ) -> Upstream | None:
+    if trace is not None:
+        gw = _gw_str(wl.waypoint) if wl.waypoint is not None else None
+        trace("waypoint", f"workload {wl.namespace}/{wl.name}: {gw or 'none'}", waypoint=gw)
     if wl.waypoint is None:
         return None
-    return fetch_gateway(state, wl.waypoint, source, original_ip, rng)
+    return fetch_gateway(state, wl.waypoint, source, original_ip, rng, trace=trace)
