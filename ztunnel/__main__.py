@@ -1,4 +1,4 @@
-"""The ``ztunnel`` command: ``proxy`` (default), ``version``, ``help`` and ``config``.
+"""The ``ztunnel`` command: ``proxy`` (default), ``version``, ``help``, ``config`` and ``explain``.
 
 Deliberately tiny, as upstream's ``main.rs``: everything else is configured by environment variables.
 """
@@ -15,10 +15,11 @@ from ztunnel import __version__
 from ztunnel.config import DEFAULT_MESH_CONFIG_PATH, Config, ConfigError, from_env
 
 USAGE = """\
-usage: ztunnel [proxy [ztunnel] | config | version | help]
+usage: ztunnel [proxy [ztunnel] | config | explain ... | version | help]
 
   proxy    run the proxy (default); configured by environment variables (see docs/configuration.md)
   config   print the effective configuration as JSON and exit
+  explain  explain a connection's routing and policy decision (ztunnel explain --help; docs/explain.md)
   version  print the version and exit
   help     print this help
 """
@@ -49,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     if command in ("version", "--version"):
         sys.stdout.write(f"ztunnel {__version__} (python {sys.version.split()[0]})\n")
         return 0
+    if command == "explain":
+        from ztunnel.explain import main as explain
+
+        return explain(args[1:])
     if command not in ("proxy", "config"):
         sys.stderr.write(f"error: unknown command {command!r}\n{USAGE}")
         return 2
