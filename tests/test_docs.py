@@ -306,7 +306,11 @@ def check_command(command: str) -> list[str]:
         name = program.removeprefix(".venv/bin/")
         entry = console_scripts()[name].split(":")[0]
         usage = help_text(entry, ("help",)) or ""
-        problems += [f"`{name} {a}`: not a command in `{name} help`" for a in args if a not in usage]
+        # The commands (words before the first flag) are in `ztunnel help`; a command's flags in its own --help.
+        commands = args[: next((i for i, a in enumerate(args) if a.startswith("-")), len(args))]
+        problems += [f"`{name} {a}`: not a command in `{name} help`" for a in commands if a not in usage]
+        if len(commands) < len(args):
+            problems += check_flags(entry, args)
     elif program.startswith(("./", *TREE_ROOTS)) and (ROOT / program).is_file():
         pass  # a script of the tree (its arguments are its own)
     elif program not in EXTERNAL:
@@ -555,6 +559,10 @@ def test_command_check_can_fail() -> None:
     ]
     assert check_command("XDS_ADDRESS= .venv/bin/ztunnel config") == []
     assert check_command("ztunnel frobnicate") == ["`ztunnel frobnicate`: not a command in `ztunnel help`"]
+    assert check_command("ztunnel explain --from a/b --to x:80") == []
+    assert check_command("ztunnel explain --frm a/b") == [
+        "`python -m ztunnel.__main__` has no option --frm (not in its --help)"
+    ]
     assert check_command("curl http://x") != []
     assert check_command("make bench BENCH_ARGS=--quick") == []
     assert check_command("make bench BENCH_ARGS=--no-such-flag") == [
