@@ -170,6 +170,9 @@ async def test_explain_predicts_the_waypoint_path(tmp_path: Path, caplog: pytest
     assert out["next_hop"] == f"{w_ip}:15008" and out["authority"] == f"{m.vip[0]}:{m.vip[1]}"
     assert out["expected_identities"] == [WAYPOINT_SA]
     assert report["inbound"]["local_workload"]["name"] == "default/waypoint"
+    # W authorizes the stream to its own address on the authority's port (its inbound's upstream), from the client.
+    assert report["inbound"]["connection"]["destination"] == f"{w_ip}:{m.vip[1]}"
+    assert report["inbound"]["connection"]["identity"] == CLIENT_SA
     # What W saw matches: the original destination as :authority, from the client, to the waypoint workload.
     assert len(w_lines) == 1, w_lines
     assert w_lines[0]["dst.hbone_addr"] == out["authority"]

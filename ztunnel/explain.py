@@ -33,6 +33,8 @@ from typing import Any
 
 from ztunnel.errors import ZtunnelError
 from ztunnel.identity.spiffe import DEFAULT_TRUST_DOMAIN, SPIFFE_PREFIX
+
+# The local config's own field readers (private there): a dump is read by the same code, not a second parser.
 from ztunnel.localconfig import LocalConfigError, _policy, _Reader, _service, _workload
 from ztunnel.net import format_addr
 from ztunnel.proxy.common import ProxyError, ResponseFlag
@@ -389,11 +391,11 @@ def _inbound(dump: Dump, source: Workload, src_ip: IPAddress, outbound: Mapping[
     dst_json = outbound["destination_workload"]
     local = dump.state.workloads.find_uid(dst_json["uid"])
     assert local is not None
-    authority = outbound["authority"]
-    host, _, port_s = authority.rpartition(":")
-    dst_ip = _ip(host)
+    # As the destination's ztunnel sees it: the IP dialled (the next hop; a waypoint's own address when the authority
+    # names the service behind it), the port of the :authority.
+    dst_ip = _ip(outbound["next_hop"].rpartition(":")[0])
     assert dst_ip is not None
-    port = int(port_s)
+    port = int(outbound["authority"].rpartition(":")[2])
     steps: list[str] = []
     if port in dump.illegal_ports:
         return {
@@ -440,7 +442,7 @@ def _inbound(dump: Dump, source: Workload, src_ip: IPAddress, outbound: Mapping[
         "applies": True,
         "local_workload": _workload_json(local),
         "connection": {
-            "source": format_addr(src_ip, 0).rsplit(":", 1)[0],
+            "source": str(src_ip),
             "destination": format_addr(dst_ip, port),
             "identity": str(source.identity),
             "network": dump.network,
