@@ -9,6 +9,7 @@ import copy
 import ipaddress
 import json
 import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 
 from ztunnel.admin import policy_json, service_json, workload_json
-from ztunnel.explain import ExplainError, explain, load_dump, main, read_dump, render_text
+from ztunnel.explain import ExplainError, explain, fetch_dump, load_dump, main, read_dump, render_text
 from ztunnel.identity.spiffe import Identity
 from ztunnel.localconfig import load_local_config
 from ztunnel.proxy.outbound import build_request
@@ -250,3 +251,26 @@ def test_ztunnel_explain_subcommand(tmp_path: Path) -> None:
     assert done.stdout.rstrip().endswith("VERDICT: allow")
     bad = subprocess.run([*argv, "--from", "127.0.1.1"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "--to" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_inbound_port_rules_are_the_proxys() -> None:
+    """The destination's own port checks (``inbound.upstream_port``): a CONNECT to one of ztunnel's ports is refused
+    with 503; an application tunnel replaces the port policy sees."""
+    doc = two_node_doc()
+    server = next(w for w in doc["workloads"] if w["uid"] == SERVER)
+    server["workloadIps"] = ["10.0.0.2"]  # not loopback: the source's ztunnel would refuse that itself first
+    own = explain(load_dump(doc, "test"), "default/client", "10.0.0.2:15008")
+    assert own["verdict"] == "refused" and own["outbound"]["result"] == "hbone"
+    assert own["inbound"]["status"] == 503 and own["inbound"]["reason"] == "attempted recursive call to ourselves"
+    server["applicationTunnel"] = {"protocol": "NONE", "port": 15088}
+    tunneled = explain(load_dump(doc, "test"), "default/client", "10.0.0.2:8080")
+    assert tunneled["inbound"]["connection"]["destination"] == "10.0.0.2:15088"
+    assert tunneled["inbound"]["steps"] == ["application tunnel: the workload's port 15088 instead of 8080"]
+
+
+def test_an_unreachable_admin_port_says_so() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again below: nothing listens there
+    with pytest.raises(ExplainError, match=rf"^http://127\.0\.0\.1:{port}/config_dump: cannot fetch the config dump"):
+        fetch_dump(f"127.0.0.1:{port}", timeout=5)

@@ -38,6 +38,7 @@ from ztunnel.identity.spiffe import DEFAULT_TRUST_DOMAIN, SPIFFE_PREFIX
 from ztunnel.localconfig import LocalConfigError, _policy, _Reader, _service, _workload
 from ztunnel.net import format_addr
 from ztunnel.proxy.common import ProxyError, ResponseFlag
+from ztunnel.proxy.inbound import InboundRejected, upstream_port
 from ztunnel.proxy.outbound import OutboundProtocol, Request, build_request
 from ztunnel.rbac import Action, Authorization, ClauseTrace, Connection, Match, ServiceAccountMatch, compile_rules
 from ztunnel.state import ProxyState, StateUpdate
@@ -397,20 +398,21 @@ def _inbound(dump: Dump, source: Workload, src_ip: IPAddress, outbound: Mapping[
     assert dst_ip is not None
     port = int(outbound["authority"].rpartition(":")[2])
     steps: list[str] = []
-    if port in dump.illegal_ports:
+    try:
+        mapped = upstream_port(local, port, dump.illegal_ports)
+    except InboundRejected as e:
         return {
             "applies": True,
             "local_workload": _workload_json(local),
             "verdict": "refused",
-            "reason": "attempted recursive call to ourselves",
-            "status": 503,
-            "response_flag": ResponseFlag.CONNECT.value,
+            "reason": str(e),
+            "status": e.status,
+            "response_flag": e.flag.value,
             "policies": [],
         }
-    tunnel = local.application_tunnel
-    if tunnel is not None and tunnel.port:
-        steps.append(f"application tunnel: the workload's port {tunnel.port} instead of {port}")
-        port = tunnel.port
+    if mapped != port:
+        steps.append(f"application tunnel: the workload's port {mapped} instead of {port}")
+        port = mapped
     conn = Connection(src_ip, 0, dst_ip, port, source.identity, dump.network)
     policies = dump.state.policies.for_workload(local.namespace, local.authorization_policies)
     plan = dump.state.policies.plan(local.namespace, local.authorization_policies)

@@ -26,7 +26,7 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import cast
 
@@ -157,14 +157,22 @@ def build_inbound_request(
         if host != conn_dst and not is_destination_this_waypoint(pi, local, host, conn_dst):
             raise InboundRejected(400, f"ip mismatch: {host} != {conn_dst}")
         candidates = services_of(pi.state, local)
-    # The port as resolved, before an app tunnel may replace it: a self-call must not hide behind the tunnel port.
-    if port in pi.config.illegal_ports:
-        raise InboundRejected(503, "attempted recursive call to ourselves")
-    if local.application_tunnel is not None and local.application_tunnel.port:
-        port = local.application_tunnel.port
+    port = upstream_port(local, port, pi.config.illegal_ports)
     service = guess_inbound_service(candidates, parse_forwarded_host(headers.get(FORWARDED_HEADER, "")), port, local)
     # The target IP is always the one the client dialled (the pod's own address).
     return InboundRequest(upstream=(conn_dst, port), local=local, service=service)
+
+
+def upstream_port(local: Workload, port: int, illegal_ports: Container[int]) -> int:
+    """The port to connect to on the local workload for a CONNECT to ``port`` (after a service port mapping):
+    refused (503) when it is one of ztunnel's own, else the workload's app tunnel port if it has one. Pure, so
+    ``ztunnel explain`` runs it too."""
+    # The port as resolved, before an app tunnel may replace it: a self-call must not hide behind the tunnel port.
+    if port in illegal_ports:
+        raise InboundRejected(503, "attempted recursive call to ourselves")
+    if local.application_tunnel is not None and local.application_tunnel.port:
+        return local.application_tunnel.port
+    return port
 
 
 def is_destination_this_waypoint(pi: ProxyInputs, local: Workload, target: IPAddress, conn_dst: IPAddress) -> bool:
@@ -505,4 +513,4 @@ def local_addr_of(conn: HboneTransport) -> tuple[IPAddress, int]:
     return ipaddress.ip_address(conn.local[0]), conn.local[1]
 
 
-__all__ = ["Inbound", "InboundRejected", "build_inbound_request", "parse_authority"]
+__all__ = ["Inbound", "InboundRejected", "build_inbound_request", "parse_authority", "upstream_port"]
