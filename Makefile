@@ -32,7 +32,7 @@ test: lint typecheck unit
 interop-upstream: $(STAMP)
 	@test -n "$(ZTUNNEL_UPSTREAM_BIN)" || { echo "interop-upstream: set ZTUNNEL_UPSTREAM_BIN to an upstream ztunnel binary (docs/testing.md)" >&2; exit 2; }
 	ZTUNNEL_UPSTREAM_BIN="$(ZTUNNEL_UPSTREAM_BIN)" ZTUNNEL_UPSTREAM_TESTS=require ZTUNNEL_NETNS_TESTS=require \
-		$(PY) -m pytest -q tests/interop $(PYTEST_ARGS)
+		$(PY) -m pytest -q tests/interop tests/test_explain_upstream.py $(PYTEST_ARGS)
 
 # The fuzz tests at 100x their bounded example counts, with random inputs (FUZZ_MAX_EXAMPLES=10000 is the scale:
 # 100 = as in `make test`); prints how many examples each target ran.

@@ -2,13 +2,13 @@
 (dedicated mode, a local config, its fake CA), its dump is fetched from its admin port there, and explain must give
 the same answers on it as on this project's ztunnel's dump of the same mesh.
 
-Skipped, with the reason, unless ``ZTUNNEL_UPSTREAM_BIN`` names an upstream build and namespaces can be made here.
+Skipped, with the reason, unless ``ZTUNNEL_UPSTREAM_BIN`` names an upstream build and namespaces can be made here
+(``make interop-upstream`` runs it, and fails it instead).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ import pytest
 from ztunnel.explain import Dump, explain, fetch_dump
 from ztunnel.testing import ZtunnelProcess, node_env, running_app
 from ztunnel.testing import netns as tn
-from ztunnel.testing.interop import UPSTREAM_BIN_ENV, upstream_problem
+from ztunnel.testing.interop import require_upstream
 
 pytestmark = pytest.mark.root
 
@@ -143,10 +143,7 @@ def _upstream_dump(binary: str, mesh: Path, workdir: Path) -> Dump:
 
 
 async def test_explain_reads_upstreams_dump_as_ours(tmp_path: Path) -> None:
-    problem = upstream_problem() or tn.skip_reason()
-    if problem is not None:
-        pytest.skip(f"upstream ztunnel's /config_dump: {problem}")
-    binary = os.environ[UPSTREAM_BIN_ENV]
+    binary = require_upstream()  # a visible skip without ZTUNNEL_UPSTREAM_BIN (a failure in make interop-upstream)
     n = random.randrange(64, 250)
     addrs = {
         "client": f"127.{n}.1.1",
