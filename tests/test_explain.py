@@ -20,7 +20,7 @@ import pytest
 from ztunnel.admin import policy_json, service_json, workload_json
 from ztunnel.explain import ExplainError, explain, fetch_dump, load_dump, main, read_dump, render_text
 from ztunnel.identity.spiffe import Identity
-from ztunnel.localconfig import load_local_config
+from ztunnel.localconfig import LocalConfigError, load_local_config
 from ztunnel.proxy.outbound import build_request
 from ztunnel.rbac import (
     Action,
@@ -274,3 +274,41 @@ def test_an_unreachable_admin_port_says_so() -> None:
         port = s.getsockname()[1]  # closed again below: nothing listens there
     with pytest.raises(ExplainError, match=rf"^http://127\.0\.0\.1:{port}/config_dump: cannot fetch the config dump"):
         fetch_dump(f"127.0.0.1:{port}", timeout=5)
+
+
+def _paths(node: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [path]
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out += _paths(v, (*path, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _paths(v, (*path, i))
+    return out
+
+
+def test_any_broken_field_is_an_error_or_a_report_never_a_crash() -> None:
+    """Every value of the dump, in turn replaced by each of a set of values of other types (about 1,800 dumps):
+    explain answers, or says what is wrong (ExplainError naming the field); no other exception escapes."""
+    base = with_endpoints(two_node_doc())
+    replacements: list[Any] = [None, -1, 70000, "x", "", [], {}, [1], {"a": 1}, True, 1.5]
+    reports = errors = 0
+    for path in _paths(base)[1:]:
+        for value in replacements:
+            doc = copy.deepcopy(base)
+            parent = doc
+            for key in path[:-1]:
+                parent = parent[key]
+            parent[path[-1]] = value
+            try:
+                report = explain(load_dump(doc, "fuzz"), "127.0.1.1", "127.10.0.10:80")
+            except ExplainError as e:
+                # Names the dump and the field, or what the broken state lacks for this --from/--to.
+                assert str(e).startswith(("fuzz: ", "--from ", "--to ")), (path, value, e)
+                errors += 1
+                continue
+            except LocalConfigError as e:
+                pytest.fail(f"{path}={value!r}: a loader error escaped explain's own: {e}")
+            assert report["verdict"] in ("allow", "deny", "refused"), (path, value)
+            reports += 1
+    assert reports and errors  # both outcomes were reached

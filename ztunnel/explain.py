@@ -83,7 +83,14 @@ def load_dump(doc: Any, source: str = "config dump") -> Dump:
     """Build a :class:`Dump` from a parsed ``/config_dump`` document (this project's or upstream's).
 
     Workloads, services (with their endpoints, as dumped) and policies are read with the local config's field
-    readers; an error names ``source`` and the path (``workloads[3].workloadIps[0]``)."""
+    readers; an :class:`ExplainError` names ``source`` and the path (``workloads[3].workloadIps[0]``)."""
+    try:
+        return _load(doc, source)
+    except LocalConfigError as e:
+        raise ExplainError(str(e)) from None
+
+
+def _load(doc: Any, source: str) -> Dump:
     r = _DumpReader(source)
     top = r.obj(doc, "", {"workloads", "services", "policies", "config", "version"})
     workloads = []
@@ -115,10 +122,7 @@ def _parse_json(text: str, source: str) -> Dump:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
         raise ExplainError(f"{source}: not JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
-    try:
-        return load_dump(doc, source)
-    except LocalConfigError as e:
-        raise ExplainError(str(e)) from None
+    return load_dump(doc, source)
 
 
 def read_dump(path: str | Path) -> Dump:
