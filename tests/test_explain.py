@@ -89,6 +89,8 @@ def test_load_balancing_candidates_and_the_pick_are_explained() -> None:
     assert report["outbound"]["destination_workload"]["uid"] == pick["picked"]
     (port,) = [s for s in steps if s["step"] == "port"]
     assert port["target_port"] == 8080
+    text = render_text(report)
+    assert f"75.0%  {SERVER}-big" in text and f"25.0%  {SERVER}\n" in text.replace("  <- picked (--seed)", "")
 
 
 def test_a_trace_changes_no_decision() -> None:
@@ -228,6 +230,16 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["--config-dump", str(path), "--from", "default/client", "--to", "127.0.2.1:9999", "-o", "json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["verdict"] == "deny" and report["inbound"]["reason"] == "explicitly denied by: default/deny-9999"
+    path.write_text(json.dumps(with_endpoints(two_node_doc())))
+    picks = set()
+    for seed in range(20):
+        argv = ["--config-dump", str(path), "--from", "default/client", "--to", "127.10.0.10:80", "-o", "json"]
+        assert main([*argv, "--seed", str(seed)]) == 0
+        shown = json.loads(capsys.readouterr().out)["outbound"]["destination_workload"]["uid"]
+        expected = explain(read_dump(path), "default/client", "127.10.0.10:80", seed)
+        assert shown == expected["outbound"]["destination_workload"]["uid"]
+        picks.add(shown)
+    assert picks == {SERVER, f"{SERVER}-big"}  # the seed does change the pick
     path.write_text("{not json")
     assert main(["--config-dump", str(path), "--from", "a/b", "--to", "1.2.3.4:5"]) == 1
     err = capsys.readouterr().err

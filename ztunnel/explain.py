@@ -511,6 +511,10 @@ def render_text(report: Mapping[str, Any]) -> str:
     add(f"  target            {target}")
     for step in out["steps"]:
         add(f"  {_step_label(step)}{step['message']}")
+        if step["step"] == "pick" and step.get("chances"):
+            for uid, chance in step["chances"].items():
+                mark = "  <- picked (--seed)" if uid == step.get("picked") else ""
+                add(f"  {'':18}{chance:6.1%}  {uid}{mark}")
     if out["result"] == "refused":
         add(f"  => refused: {out['error']}")
     else:
