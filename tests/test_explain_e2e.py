@@ -24,7 +24,15 @@ import pytest
 from tests.proxy.test_inbound_e2e import Relay, inbound_lines, with_waypoint
 from ztunnel.explain import explain, fetch_dump
 from ztunnel.rbac import NOT_ALLOWED
-from ztunnel.testing import EchoServer, TwoNodeMesh, eventually, node_env, running_app, socks5_connect
+from ztunnel.testing import (
+    EchoServer,
+    TwoNodeMesh,
+    access_fields,
+    eventually,
+    node_env,
+    running_app,
+    socks5_connect,
+)
 
 CLIENT_SA = "spiffe://cluster.local/ns/default/sa/client"
 SERVER_SA = "spiffe://cluster.local/ns/default/sa/server"
@@ -94,7 +102,8 @@ async def test_explain_predicts_the_real_connection(
     case = CASES[name]
     m = TwoNodeMesh(tmp_path, case.edit)
     host, port = case.target(m)
-    caplog.set_level(logging.DEBUG, logger="ztunnel.rbac")
+    caplog.set_level(logging.INFO, logger="access")
+    caplog.set_level(logging.DEBUG, logger="ztunnel.rbac")  # last: the capture handler takes this level
     app = await EchoServer().start(host if name == "passthrough" else m.node_b, port if port != 80 else 8080)
     try:
         async with running_app(m.env_a()), running_app(m.env_b()):
@@ -114,6 +123,12 @@ async def test_explain_predicts_the_real_connection(
         assert outcome == "refused: SOCKS5 reply 2", outcome
         assert app.connections == 0  # the destination's ztunnel refused it before the app
         assert inbound["status"] == 401 and inbound["response_flag"] == "DENY"
+        # The reasons explain gives are the ones the proxies logged: the destination's policy reason, the source's
+        # failure.
+        (b_line,) = await eventually(lambda: inbound_lines(caplog, m.node_b))
+        assert b_line["error"] == f"connection closed due to policy rejection: {inbound['reason']}"
+        a_errors = [f.get("error") for f in access_fields(caplog.records, "outbound")]
+        assert a_errors == [report["source_error"]["error"]] == ["http status: 401 Unauthorized"]
     if case.outbound == "hbone":
         assert out["next_hop"] == f"{m.node_b}:15008"
         assert out["authority"] == f"{m.node_b}:{8080 if port == 80 else port}"

@@ -37,7 +37,7 @@ from ztunnel.identity.spiffe import DEFAULT_TRUST_DOMAIN, SPIFFE_PREFIX
 # The local config's own field readers (private there): a dump is read by the same code, not a second parser.
 from ztunnel.localconfig import LocalConfigError, _policy, _Reader, _service, _workload
 from ztunnel.net import format_addr
-from ztunnel.proxy.common import ProxyError, ResponseFlag
+from ztunnel.proxy.common import HttpStatusError, ProxyError, ResponseFlag
 from ztunnel.proxy.inbound import InboundRejected, upstream_port
 from ztunnel.proxy.outbound import OutboundProtocol, Request, build_request
 from ztunnel.rbac import Action, Authorization, ClauseTrace, Connection, Match, ServiceAccountMatch, compile_rules
@@ -248,13 +248,14 @@ def _outbound(dump: Dump, source: Workload, src_ip: IPAddress, ip: IPAddress, po
     rec = _Recorder()
     out: dict[str, Any] = {"source": _workload_json(source), "target": format_addr(ip, port), "steps": rec.steps}
     if ip.is_loopback and port in dump.illegal_ports:
-        out |= {"result": "refused", "error": "attempted recursive call to ourselves"}
+        e = ProxyError("attempted recursive call to ourselves")
+        out |= {"result": "refused", "error": str(e), "response_flag": e.flag.value}
         return out
     try:
         req = build_request(dump.state, source, src_ip, (ip, port), dump.network, random.Random(seed), trace=rec)
     except ProxyError as e:
         # Cross-network destinations land here too: the proxy refuses them (double HBONE is not implemented).
-        out |= {"result": "refused", "error": str(e)}
+        out |= {"result": "refused", "error": str(e), "response_flag": e.flag.value}
         return out
     dst = req.actual_destination_workload
     waypoint = _waypoint_of(req, rec.steps)
@@ -483,7 +484,7 @@ def explain(dump: Dump, source_spec: str, target_spec: str, seed: int = 0) -> di
         verdict = inbound["verdict"]
     else:
         verdict = "allow"
-    return {
+    report = {
         "from": source_spec,
         "to": target_spec,
         "dump": {"source": dump.source, "version": dump.version, "network": dump.network},
@@ -491,6 +492,13 @@ def explain(dump: Dump, source_spec: str, target_spec: str, seed: int = 0) -> di
         "inbound": inbound,
         "verdict": verdict,
     }
+    if out["result"] == "refused":
+        report["source_error"] = {"error": out["error"], "response_flag": out["response_flag"]}
+    elif verdict != "allow":
+        # What the source's ztunnel reports for a CONNECT the destination refused: only the status, as a failure.
+        err = HttpStatusError(inbound["status"])
+        report["source_error"] = {"error": str(err), "response_flag": err.flag.value}
+    return report
 
 
 # -- output ----------------------------------------------------------------------------------------------------------
@@ -560,6 +568,10 @@ def render_text(report: Mapping[str, Any]) -> str:
             f"  => {inbound['verdict']}: {inbound['reason']} "
             f"(HTTP {inbound['status']}, response flag {inbound['response_flag']})"
         )
+    if "source_error" in report:
+        src_err = report["source_error"]
+        add("")
+        add(f"The source's ztunnel logs: {src_err['error']} (response flag {src_err['response_flag']})")
     add("")
     add(f"VERDICT: {report['verdict']}")
     return "\n".join(lines) + "\n"
