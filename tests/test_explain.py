@@ -23,6 +23,7 @@ from ztunnel.identity.spiffe import Identity
 from ztunnel.localconfig import LocalConfigError, load_local_config
 from ztunnel.proxy.outbound import build_request
 from ztunnel.rbac import (
+    NOT_ALLOWED,
     Action,
     Authorization,
     Connection,
@@ -211,7 +212,6 @@ def test_a_bad_dump_names_the_field(tmp_path: Path, mutate: Any, message: str) -
 @pytest.mark.parametrize(
     ("source", "target", "message"),
     [
-        ("10.9.9.9", "127.10.0.10:80", "--from 10.9.9.9: no workload has this address"),
         ("default/nobody", "127.10.0.10:80", "no workload default/nobody"),
         ("client", "127.10.0.10:80", "expected an IP address or namespace/name"),
         ("default/client", "127.10.0.10", "expected ip:port"),
@@ -321,6 +321,26 @@ def test_any_broken_field_is_an_error_or_a_report_never_a_crash() -> None:
                 continue
             except LocalConfigError as e:
                 pytest.fail(f"{path}={value!r}: a loader error escaped explain's own: {e}")
-            assert report["verdict"] in ("allow", "deny", "refused"), (path, value)
+            assert report["verdict"] in ("allow", "deny", "refused", "unknown"), (path, value)
             reports += 1
     assert reports and errors  # both outcomes were reached
+
+
+def test_a_source_outside_the_mesh_meets_only_the_destinations_plaintext_inbound() -> None:
+    """No ztunnel captures a non-mesh source; a captured destination's 15006 checks policy without an identity and
+    closes a denied connection (no HTTP status)."""
+    doc = two_node_doc()
+    dump = load_dump(doc, "test")
+    to_server = explain(dump, "10.9.9.9", "127.0.2.1:8080")
+    assert to_server["outbound"]["result"] == "not-captured" and to_server["outbound"]["next_hop"] == "127.0.2.1:8080"
+    inbound = to_server["inbound"]
+    assert inbound["listener"] == "inbound plaintext (15006)" and inbound["connection"]["identity"] is None
+    assert to_server["verdict"] == "deny" and inbound["reason"] == NOT_ALLOWED  # allow-client needs an identity
+    assert inbound["status"] is None and inbound["response_flag"] == "DENY" and "source_error" not in to_server
+    text = render_text(to_server)
+    assert "no identity (plaintext) from 10.9.9.9 to 127.0.2.1:8080" in text
+    assert "(the connection is closed, response flag DENY)" in text
+    # A workload of protocol TCP is outside the mesh too; to a VIP, kube-proxy decides, not a ztunnel.
+    vip = explain(dump, "default/plain", "127.10.0.10:80")
+    assert vip["outbound"]["result"] == "not-captured" and vip["verdict"] == "unknown"
+    assert explain(dump, "10.9.9.9", "127.0.3.1:80")["verdict"] == "allow"  # plain to plain: nobody checks

@@ -42,7 +42,7 @@ from ztunnel.proxy.inbound import InboundRejected, upstream_port
 from ztunnel.proxy.outbound import OutboundProtocol, Request, build_request
 from ztunnel.rbac import Action, Authorization, ClauseTrace, Connection, Match, ServiceAccountMatch, compile_rules
 from ztunnel.state import ProxyState, StateUpdate
-from ztunnel.state.workload import IPAddress, NetworkAddress, Workload, canonical_ip
+from ztunnel.state.workload import InboundProtocol, IPAddress, NetworkAddress, Workload, canonical_ip
 
 __all__ = ["Dump", "ExplainError", "explain", "fetch_dump", "load_dump", "main", "read_dump", "render_text"]
 
@@ -162,19 +162,15 @@ def _ip(text: str) -> IPAddress | None:
         return None
 
 
-def find_source(dump: Dump, spec: str) -> tuple[Workload, IPAddress]:
-    """The source workload of ``--from`` (an IP, or ``namespace/name``) and the IP its traffic leaves from."""
+def find_source(dump: Dump, spec: str) -> tuple[Workload | None, IPAddress]:
+    """The source workload of ``--from`` (an IP, or ``namespace/name``; None for an IP no workload has) and the IP
+    its traffic leaves from."""
     state = dump.state
     ip = _ip(spec)
     if ip is not None:
         wl = state.workloads.find_address(NetworkAddress(dump.network, ip))
         if wl is None:  # host-network workloads are not indexed by IP
             wl = next((w for w in state.workloads if ip in w.workload_ips), None)
-        if wl is None:
-            raise ExplainError(
-                f"--from {spec}: no workload has this address on network {dump.network!r}; a ztunnel only captures "
-                "traffic of the workloads it proxies, so the source must be one (give its IP or namespace/name)"
-            )
         return wl, ip
     namespace, sep, name = spec.partition("/")
     if not sep or not namespace or not name:
@@ -190,7 +186,7 @@ def find_source(dump: Dump, spec: str) -> tuple[Workload, IPAddress]:
     return wl, wl.workload_ips[0]
 
 
-def parse_target(dump: Dump, spec: str, source: Workload, src_ip: IPAddress) -> tuple[IPAddress, int, str | None]:
+def parse_target(dump: Dump, spec: str, namespace: str, src_ip: IPAddress) -> tuple[IPAddress, int, str | None]:
     """(IP, port, the hostname it was given as) for ``--to``: ``ip:port``, ``[v6]:port`` or ``hostname:port``.
 
     A hostname is what the mesh's DNS proxy would answer: the VIP of the service with that hostname (the client's
@@ -203,7 +199,7 @@ def parse_target(dump: Dump, spec: str, source: Workload, src_ip: IPAddress) -> 
     ip = _ip(host)
     if ip is not None:
         return ip, port, None
-    svc = dump.state.find_service_by_hostname(host, source.namespace)
+    svc = dump.state.find_service_by_hostname(host, namespace)
     if svc is not None:
         vips = [v.address for v in svc.vips if v.network == dump.network]
         if not vips:
@@ -279,6 +275,30 @@ def _outbound(dump: Dump, source: Workload, src_ip: IPAddress, ip: IPAddress, po
         "resolve_hostname": req.resolve_hostname,
     }
     return out
+
+
+def _not_captured(source: Workload | None, src_ip: IPAddress, ip: IPAddress, port: int) -> dict[str, Any]:
+    who = f"workload {source.namespace}/{source.name} (protocol TCP)" if source is not None else "no workload"
+    return {
+        "source": _workload_json(source) if source is not None else {"ips": [str(src_ip)]},
+        "target": format_addr(ip, port),
+        "steps": [
+            {
+                "step": "capture",
+                "message": f"{src_ip} is {who}: not in the mesh, so no ztunnel captures its traffic; it goes out "
+                "as plain TCP, and only a ztunnel at the destination may see it",
+            }
+        ],
+        "result": "not-captured",
+        "protocol": "TCP",
+        "next_hop": format_addr(ip, port),
+        "authority": None,
+        "destination_workload": None,
+        "service": None,
+        "waypoint": None,
+        "expected_identities": [],
+        "resolve_hostname": None,
+    }
 
 
 def _waypoint_of(req: Request, steps: Sequence[Mapping[str, Any]]) -> str | None:
@@ -409,6 +429,7 @@ def _inbound(dump: Dump, source: Workload, src_ip: IPAddress, outbound: Mapping[
         return {
             "applies": True,
             "local_workload": _workload_json(local),
+            "listener": "inbound HBONE (15008)",
             "verdict": "refused",
             "reason": str(e),
             "status": e.status,
@@ -419,6 +440,40 @@ def _inbound(dump: Dump, source: Workload, src_ip: IPAddress, outbound: Mapping[
         steps.append(f"application tunnel: the workload's port {mapped} instead of {port}")
         port = mapped
     conn = Connection(src_ip, 0, dst_ip, port, source.identity, dump.network)
+    return _authorize(dump, local, conn, steps, hbone=True)
+
+
+def _inbound_plaintext(dump: Dump, src_ip: IPAddress, ip: IPAddress, port: int) -> dict[str, Any]:
+    """A connection from outside the mesh, to a captured pod: its ztunnel's plaintext inbound (15006) checks policy,
+    without an identity, and closes the connection on a denial (no HTTP: nothing to answer)."""
+    local = dump.state.workloads.find_address(NetworkAddress(dump.network, ip))
+    if local is None or local.protocol is not InboundProtocol.HBONE:
+        svc = dump.state.services.get_best_by_vip(NetworkAddress(dump.network, ip), None)
+        if svc is not None:
+            return {
+                "applies": False,
+                "reason": f"{ip} is the VIP of service {svc.namespace}/{svc.hostname}: outside the mesh the cluster's "
+                "service proxy (kube-proxy) picks the endpoint, not a ztunnel; explain an endpoint's address instead",
+                "verdict": "unknown",
+            }
+        return {"applies": False, "reason": "the destination is not in the mesh either: no ztunnel sees it"}
+    if port in dump.illegal_ports:
+        return {
+            "applies": True,
+            "local_workload": _workload_json(local),
+            "listener": "inbound plaintext (15006)",
+            "verdict": "refused",
+            "reason": "attempted recursive call to ourselves",
+            "status": None,
+            "response_flag": ResponseFlag.NONE.value,
+            "policies": [],
+        }
+    conn = Connection(src_ip, 0, ip, port, None, dump.network)
+    return _authorize(dump, local, conn, [], hbone=False)
+
+
+def _authorize(dump: Dump, local: Workload, conn: Connection, steps: list[str], hbone: bool) -> dict[str, Any]:
+    """The policies of ``local`` for ``conn``: the proxy's plan decides, each policy's rules are traced."""
     policies = dump.state.policies.for_workload(local.namespace, local.authorization_policies)
     plan = dump.state.policies.plan(local.namespace, local.authorization_policies)
     said: list[tuple[str, str | None]] = []
@@ -448,10 +503,11 @@ def _inbound(dump: Dump, source: Workload, src_ip: IPAddress, outbound: Mapping[
     return {
         "applies": True,
         "local_workload": _workload_json(local),
+        "listener": "inbound HBONE (15008)" if hbone else "inbound plaintext (15006)",
         "connection": {
-            "source": str(src_ip),
-            "destination": format_addr(dst_ip, port),
-            "identity": str(source.identity),
+            "source": str(conn.src_ip),
+            "destination": format_addr(conn.dst_ip, conn.dst_port),
+            "identity": str(conn.src_identity) if conn.src_identity is not None else None,
             "network": dump.network,
         },
         "steps": steps,
@@ -462,7 +518,8 @@ def _inbound(dump: Dump, source: Workload, src_ip: IPAddress, outbound: Mapping[
         ],
         "verdict": "allow" if decision.allowed else "deny",
         "reason": why,
-        "status": 200 if decision.allowed else 401,
+        # Over HBONE the CONNECT is answered; a plaintext connection is simply closed on a denial.
+        "status": (200 if decision.allowed else 401) if hbone else None,
         "response_flag": ResponseFlag.NONE.value if decision.allowed else ResponseFlag.DENY.value,
     }
 
@@ -473,14 +530,18 @@ def explain(dump: Dump, source_spec: str, target_spec: str, seed: int = 0) -> di
     ``verdict`` sums it up: ``allow`` (it connects), ``deny`` (a policy at the destination refuses it: 401, response
     flag DENY) or ``refused`` (the source's ztunnel cannot route it)."""
     source, src_ip = find_source(dump, source_spec)
-    ip, port, hostname = parse_target(dump, target_spec, source, src_ip)
-    out = _outbound(dump, source, src_ip, ip, port, seed)
+    ip, port, hostname = parse_target(dump, target_spec, source.namespace if source else "", src_ip)
+    if source is None or source.protocol is not InboundProtocol.HBONE:
+        out = _not_captured(source, src_ip, ip, port)
+        inbound = _inbound_plaintext(dump, src_ip, ip, port)
+    else:
+        out = _outbound(dump, source, src_ip, ip, port, seed)
+        inbound = _inbound(dump, source, src_ip, out)
     if hostname is not None:
         out["hostname"] = hostname
-    inbound = _inbound(dump, source, src_ip, out)
     if out["result"] == "refused":
         verdict = "refused"
-    elif inbound.get("verdict") in ("deny", "refused"):
+    elif inbound.get("verdict") in ("deny", "refused", "unknown"):
         verdict = inbound["verdict"]
     else:
         verdict = "allow"
@@ -494,7 +555,7 @@ def explain(dump: Dump, source_spec: str, target_spec: str, seed: int = 0) -> di
     }
     if out["result"] == "refused":
         report["source_error"] = {"error": out["error"], "response_flag": out["response_flag"]}
-    elif verdict != "allow":
+    elif verdict in ("deny", "refused") and out["result"] != "not-captured":
         # What the source's ztunnel reports for a CONNECT the destination refused: only the status, as a failure.
         err = HttpStatusError(inbound["status"])
         report["source_error"] = {"error": str(err), "response_flag": err.flag.value}
@@ -514,7 +575,10 @@ def render_text(report: Mapping[str, Any]) -> str:
     src = out["source"]
     add("")
     add("OUTBOUND (the source's ztunnel)")
-    add(f"  source workload   {src['name']} {','.join(src['ips'])} ({src['identity']}, node {src['node'] or '-'})")
+    if "name" in src:
+        add(f"  source workload   {src['name']} {','.join(src['ips'])} ({src['identity']}, node {src['node'] or '-'})")
+    else:
+        add(f"  source            {','.join(src['ips'])} (no workload)")
     target = out["target"] + (f" (hostname {out['hostname']})" if out.get("hostname") else "")
     add(f"  target            {target}")
     for step in out["steps"]:
@@ -526,7 +590,12 @@ def render_text(report: Mapping[str, Any]) -> str:
     if out["result"] == "refused":
         add(f"  => refused: {out['error']}")
     else:
-        how = {"hbone": "HBONE (mTLS)", "tcp": "plain TCP", "passthrough": "passthrough (plain TCP)"}[out["result"]]
+        how = {
+            "hbone": "HBONE (mTLS)",
+            "tcp": "plain TCP",
+            "passthrough": "passthrough (plain TCP)",
+            "not-captured": "not captured: plain TCP",
+        }[out["result"]]
         add(f"  => {how} to {out['next_hop']}" + (f", :authority {out['authority']}" if out["authority"] else ""))
         if out["waypoint"]:
             add(f"     through waypoint {out['waypoint']}")
@@ -544,9 +613,11 @@ def render_text(report: Mapping[str, Any]) -> str:
     else:
         local = inbound["local_workload"]
         add(f"  local workload    {local['name']} {','.join(local['ips'])} ({local['identity']})")
+        add(f"  listener          {inbound['listener']}")
         conn = inbound.get("connection")
         if conn:
-            add(f"  connection        {conn['identity']} from {conn['source']} to {conn['destination']}")
+            who = conn["identity"] or "no identity (plaintext)"
+            add(f"  connection        {who} from {conn['source']} to {conn['destination']}")
         for step in inbound.get("steps", ()):
             add(f"  {step}")
         if not inbound["policies"]:
@@ -564,10 +635,10 @@ def render_text(report: Mapping[str, Any]) -> str:
                         add(f"        match {m['match']}: {'holds' if m['held'] else m['why']}")
         for d in inbound.get("dry_run", ()):
             add(f"  dry-run           {d}")
-        add(
-            f"  => {inbound['verdict']}: {inbound['reason']} "
-            f"(HTTP {inbound['status']}, response flag {inbound['response_flag']})"
-        )
+        answer = f"HTTP {inbound['status']}" if inbound["status"] is not None else "the connection is closed"
+        if inbound["verdict"] == "allow" and inbound["status"] is None:
+            answer = "passed to the app"
+        add(f"  => {inbound['verdict']}: {inbound['reason']} ({answer}, response flag {inbound['response_flag']})")
     if "source_error" in report:
         src_err = report["source_error"]
         add("")
