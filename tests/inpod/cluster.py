@@ -168,9 +168,14 @@ async def dns_cluster(topology: tn.Topology, tmp_path: Path) -> AsyncIterator[Cl
 
 @contextlib.asynccontextmanager
 async def running_cluster(
-    topo: tn.Topology, tmp_path: Path, dns: bool, extra_env: dict[str, str] | None = None
+    topo: tn.Topology,
+    tmp_path: Path,
+    dns: bool,
+    extra_env: dict[str, str] | None = None,
+    mesh_edit: Callable[[str], str] | None = None,
 ) -> AsyncIterator[Cluster]:
-    """The cluster with its two ztunnels (``extra_env``: more of their environment)."""
+    """The cluster with its two ztunnels (``extra_env``: more of their environment; ``mesh_edit`` rewrites the
+    mesh's local config, addresses filled in, before they start)."""
     pods = {
         "client": topo.pod("node1", "client"),
         "server-a": topo.pod("node1", "server_a"),
@@ -179,11 +184,10 @@ async def running_cluster(
     }
     nodes = {"node1": topo.nodes["node1"], "node2": topo.nodes["node2"]}
     config = tmp_path / "mesh.yaml"
-    config.write_text(
-        MESH.format(
-            client=pods["client"].ip, server_a=pods["server-a"].ip, server_b=pods["server-b"].ip, plain=pods["plain"].ip
-        )
+    mesh = MESH.format(
+        client=pods["client"].ip, server_a=pods["server-a"].ip, server_b=pods["server-b"].ip, plain=pods["plain"].ip
     )
+    config.write_text(mesh_edit(mesh) if mesh_edit is not None else mesh)
     c = Cluster(topo, tmp_path, pods, nodes)
     listeners = _servers(topo, pods)
     enrolled = {"node1": ["client", "server-a"], "node2": ["server-b"]}  # "plain" stays out of the mesh
