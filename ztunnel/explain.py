@@ -11,7 +11,8 @@ told to record each step:
 * inbound, at the destination's ztunnel: the policies :class:`~ztunnel.state.policy.PolicyStore` finds for the
   destination workload, evaluated by the same compiled :class:`~ztunnel.rbac.Plan` the proxy evaluates (its steps
   recorded), each policy's rules, clauses and matches traced by the same compiled matches
-  (:meth:`~ztunnel.rbac.CompiledRules.trace`), then the verdict, the HTTP status and the response flag.
+  (:meth:`~ztunnel.rbac.CompiledRules.trace`), then the verdict, the HTTP status and the response flag. A source
+  outside the mesh is captured by no ztunnel: only a captured destination's plaintext inbound (15006) checks it.
 
 The load-balancing pick is random, weighted by capacity, as the proxy's: explain shows every candidate's chance, and
 the pick a generator seeded with ``--seed`` makes (the proxy's own generator picks independently per connection).
