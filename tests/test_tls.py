@@ -716,7 +716,9 @@ async def test_peer_chain_is_the_verified_chain(ca: LocalCA, client_cert: Worklo
     srv = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=server_context(server))
     port = srv.sockets[0].getsockname()[1]
     async with srv:
-        _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client_context(client_cert), server_hostname="")
+        _, writer = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=client_context(client_cert), server_hostname=""
+        )
         seen.append(peer_chain(writer.get_extra_info("ssl_object")))
         writer.close()
     from cryptography.hazmat.primitives.serialization import Encoding

@@ -23,6 +23,7 @@ from prometheus_client.samples import Sample
 from ztunnel import thirdparty
 from ztunnel.admin import AdminServer
 from ztunnel.config import Config, ProxyMode
+from ztunnel.crl import CrlError, CrlMetrics, load_crl_file
 from ztunnel.dns.metrics import Metrics as DnsMetrics
 from ztunnel.drain import Drain, DrainMode
 from ztunnel.errors import ZtunnelError
@@ -35,7 +36,7 @@ from ztunnel.proxy.common import TlsContextCache
 from ztunnel.proxy.connection_manager import ConnectionRecord, connections_dump
 from ztunnel.proxy.inputs import LocalWorkload, OnDemand
 from ztunnel.proxy.metrics import TrafficMetrics, flush_periodically
-from ztunnel.proxyfactory import PodProxies, ProxyFactory
+from ztunnel.proxyfactory import PodProxies, ProxyFactory, crl_manager
 from ztunnel.readiness import BlockReady, Readiness, ReadinessServer
 from ztunnel.state import ProxyState
 from ztunnel.state.workload import NetworkAddress
@@ -84,6 +85,7 @@ class App:
     def __post_init__(self) -> None:
         self.registry = Registry(self.config.istio_version)
         self.traffic = TrafficMetrics(self.registry)
+        self.crl_metrics = CrlMetrics(self.registry)  # registered always, as upstream; counted where CRLs are checked
         self.registry.dynamic.append(self._xds_metrics)
         # The DNS metrics are prometheus-client objects in a registry of their own, written out with ours on 15020;
         # one set for the process, shared by every DNS proxy (upstream creates dns::Metrics once in app.rs). With
@@ -136,6 +138,14 @@ class App:
             self.xds_client = client
             self.tasks.spawn(client.run(), "xds client")
         self.certs = self._certificate_provider()
+        if self.config.crl_path is not None:
+            try:  # checked here so a broken CRL_PATH fails the start with the file and block named
+                crls = load_crl_file(self.config.crl_path)
+            except CrlError as e:
+                raise StartupError(str(e)) from None
+            log.info(
+                "CRL_PATH=%s: %d CRL(s); revoked peer certificates are refused", self.config.crl_path, len(crls.crls)
+            )
         if not self.config.inline_data_plane:
             await self._start_workers(state_ready)
             await self._start_admin()
@@ -144,7 +154,7 @@ class App:
             self.config,
             self.state,
             self.certs,
-            TlsContextCache(self.config.tls12_enabled),
+            TlsContextCache(self.config.tls12_enabled, crl_manager(self.config, self.crl_metrics)),
             self.traffic,
             self.dns_metrics,
             on_demand=self._on_demand(),

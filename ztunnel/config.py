@@ -743,14 +743,8 @@ def from_env(
         raise e.error("COMPLIANCE_POLICY", compliance, "expected pqc or unset")
     if compliance == "pqc":
         raise ConfigError(_compliance_refusal())
+    # Loaded and watched by ztunnel.crl (each data-plane process); a file that does not parse fails the start.
     crl_path = env.get("CRL_PATH") or None
-    if crl_path is not None:
-        # Revocation is not checked yet (issue 19). A revocation list silently ignored would let revoked peer
-        # certificates in (fail-open), so the setting is refused rather than accepted.
-        raise ConfigError(
-            f"CRL_PATH={crl_path!r} is refused: certificate revocation checking is not implemented, and ignoring the "
-            "list would accept revoked peer certificates; unset CRL_PATH (Helm: peerCaCrl.enabled=false)"
-        )
 
     stream_window = e.integer(
         "HTTP2_STREAM_WINDOW_SIZE", DEFAULT_HTTP2_STREAM_WINDOW_SIZE, minimum=1, maximum=2**31 - 1
@@ -1011,14 +1005,7 @@ SETTINGS: tuple[Setting, ...] = (
         warns_when={"LOCALHOST_APP_TUNNEL": "false"},
     ),
     Setting(("ENABLE_RESPONSE_BAGGAGE",), ("enable_response_baggage",)),
-    # Security: revocation is not checked (issue 19); a revocation list silently ignored would accept revoked peer
-    # certificates, so it is refused.
-    Setting(
-        ("CRL_PATH",),
-        ("crl_path",),
-        Support.REFUSED,
-        refused_when={"CRL_PATH": "/var/run/secrets/istio/crl/ca-crl.pem"},
-    ),
+    Setting(("CRL_PATH",), ("crl_path",)),
     Setting(("TLS12_ENABLED",), ("tls12_enabled",)),
     # Security: pqc would silently negotiate classical key exchange here (see _compliance_refusal).
     Setting(

@@ -29,6 +29,7 @@ consistency: both ways the workers see a change within one poll interval.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -93,7 +94,7 @@ class CrlSet:
         chain); the last certificate (the trust anchor) has no issuer in the chain and is not checked, as webpki."""
         if not self.crls:
             return None
-        for cert, issuer in zip(chain, chain[1:], strict=False):
+        for cert, issuer in itertools.pairwise(chain):
             name = cert.issuer.public_bytes()
             for c in self.crls:
                 if c.issuer == name and cert.serial_number in c.serials and _signed_by(c.crl, issuer):
@@ -209,6 +210,14 @@ class CrlManager:
         log.info("loaded %d CRL(s) from %s", len(m.current.crls), path)
         return m
 
+    @classmethod
+    def lenient(cls, path: str, metrics: CrlMetrics | None = None) -> CrlManager:
+        """Like :meth:`start`, but a file that does not parse is logged and retried at each change."""
+        m = cls(path, metrics)
+        m.generation = 1
+        m.check()
+        return m
+
     def _stat(self) -> tuple[int, int, int] | None:
         try:
             st = os.stat(self.path)
@@ -290,9 +299,7 @@ class CrlManager:
         if self.metrics is not None:
             self.metrics.rejected(t.reporter)
         what = "peer certificate" if cert is t.chain[0] else "a CA certificate in the peer chain"
-        reason = (
-            f"{what} (serial {cert.serial_number:x}, issuer {cert.issuer.rfc4514_string()}) revoked by CRL update"
-        )
+        reason = f"{what} (serial {cert.serial_number:x}, issuer {cert.issuer.rfc4514_string()}) revoked by CRL update"
         log.warning("terminating connection with %s: %s", t.peer, reason)
         try:
             t.on_revoked(reason)

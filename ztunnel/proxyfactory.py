@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ztunnel.config import Config, WorkloadInfo
+from ztunnel.crl import CrlManager, CrlMetrics
 from ztunnel.dns import DnsProxy
 from ztunnel.dns.metrics import Metrics as DnsMetrics
 from ztunnel.drain import Drain, DrainMode
@@ -28,6 +29,22 @@ from ztunnel.sockets import SocketConfig, SocketFactory
 from ztunnel.state import ProxyState
 
 log = logging.getLogger("ztunnel.proxyfactory")
+
+
+def crl_manager(config: Config, metrics: CrlMetrics | None, *, strict: bool = True) -> CrlManager | None:
+    """The process's CRL manager when ``CRL_PATH`` is set (upstream builds it in ``ProxyFactory::new``), watching
+    the file from the running loop.
+
+    ``strict``: raise :class:`ztunnel.crl.CrlError` when the file exists and does not parse (the start fails with
+    the file and the block named; stricter than upstream, which then logs a warning and checks no revocation at
+    all). A worker process, started after the control process checked the file, is not strict: should the file
+    break in between, it logs the error and loads the file as soon as it parses again.
+    """
+    if config.crl_path is None:
+        return None
+    manager = CrlManager.start(config.crl_path, metrics) if strict else CrlManager.lenient(config.crl_path, metrics)
+    manager.watch()
+    return manager
 
 
 @dataclass
@@ -63,6 +80,9 @@ class ProxyFactory:
     def inputs(
         self, info: WorkloadInfo, sockets: SocketFactory, drain: Drain, pod: tuple[str, NetnsId] | None = None
     ) -> ProxyInputs:
+        connections = ConnectionManager(self.traffic)
+        pool = WorkloadHBONEPool(self.config, self.certs, sockets, self.contexts)
+        pool.on_revoked = connections.revoke_tunnel  # CRL_PATH: streams on a revoked connection end CERT_REVOKED
         return ProxyInputs(
             config=self.config,
             state=self.state,
@@ -71,8 +91,8 @@ class ProxyFactory:
             local=LocalWorkload(self.state, info),
             drain=drain,
             contexts=self.contexts,
-            pool=WorkloadHBONEPool(self.config, self.certs, sockets, self.contexts),
-            connections=ConnectionManager(self.traffic),
+            pool=pool,
+            connections=connections,
             on_demand=self.on_demand,
             balance=self.balance(pod) if self.balance is not None else None,
         )

@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from ztunnel import telemetry, thirdparty
 from ztunnel.config import Config, LogFormat, ProxyMode
+from ztunnel.crl import CrlMetrics
 from ztunnel.dns import DnsProxy
 from ztunnel.dns.metrics import Metrics as DnsMetrics
 from ztunnel.drain import Drain, DrainMode
@@ -47,7 +48,7 @@ from ztunnel.proxy.connection_manager import ConnectionRecord, connections_dump
 from ztunnel.proxy.inbound import Inbound
 from ztunnel.proxy.inputs import LocalWorkload
 from ztunnel.proxy.metrics import TrafficMetrics, flush_periodically
-from ztunnel.proxyfactory import PodProxies, ProxyFactory
+from ztunnel.proxyfactory import PodProxies, ProxyFactory, crl_manager
 from ztunnel.state import ProxyState
 from ztunnel.state.workload import NetworkAddress
 from ztunnel.tasks import TaskGroup
@@ -225,7 +226,8 @@ class Worker:
             cfg,
             self.state,
             self.certs,
-            TlsContextCache(cfg.tls12_enabled),
+            # Each worker watches CRL_PATH itself (ztunnel/crl.py says why); the control process checked it parses.
+            TlsContextCache(cfg.tls12_enabled, crl_manager(cfg, CrlMetrics(self.registry), strict=False)),
             self.traffic,
             dns_metrics,
             on_demand=self._on_demand if msg.on_demand else None,
