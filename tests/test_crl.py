@@ -181,7 +181,7 @@ async def test_revoked_client_is_refused_and_an_open_tunnel_closed_on_update(
 ) -> None:
     """Server role (node B, CRL_PATH set): a client certificate the CRL lists fails the handshake; a tunnel open
     with a certificate revoked later is closed when the CRL file changes, its stream reported CERT_REVOKED."""
-    m, ca, echo, crl = mesh
+    m, ca, _echo, crl = mesh
     caplog.set_level(logging.INFO, logger="access")
     target = f"{m.server_app[0]}:{m.server_app[1]}"
     async with running_app(m.env_b(CRL_PATH=str(crl))):
@@ -202,7 +202,7 @@ async def test_revoked_client_is_refused_and_an_open_tunnel_closed_on_update(
         assert (await crl_samples(m.node_b))[("istio_crl_policy_rejections_total", "destination")] == 1
 
         # A new handshake with the revoked certificate fails (TLS_FAILURE) and is counted; a fresh one passes.
-        with pytest.raises(ConnectionError, match="(?i)revoked"):
+        with pytest.raises(ConnectionError, match=r"(?i)revoked"):
             await hbone_dial((m.node_b, 15008), victim, settle=0.2)
         got = await scraped_until(m.node_b, ("istio_crl_policy_rejections_total", "destination"), 2)
         assert got[("istio_crl_policy_rejections_total", "destination")] == 2, got
