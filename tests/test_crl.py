@@ -24,6 +24,7 @@ from ztunnel.metrics import Registry
 from ztunnel.testing import (
     EchoServer,
     TwoNodeMesh,
+    ZtunnelProcess,
     access_fields,
     eventually,
     hbone_dial,
@@ -247,3 +248,39 @@ async def test_revoked_server_closes_the_pooled_connection_and_is_refused_after(
         assert got[("istio_crl_policy_rejections_total", "source")] == 2, got
         assert echo.connections == 1
         assert "TLS_FAILURE" in await failed_flags(m.node_a, "source")
+
+
+async def test_worker_processes_close_tunnels_on_update(
+    mesh: tuple[TwoNodeMesh, LocalCA, EchoServer, Path], tmp_path: Path
+) -> None:
+    """With the data plane in 2 worker processes (node B): each worker watches CRL_PATH itself, so tunnels open in
+    whichever worker are closed on a CRL update, and counted once each in the merged metrics. A file that does not
+    parse fails the start with the file and block named."""
+    m, ca, _echo, crl = mesh
+    env = m.env_b(CRL_PATH=str(crl), ZTUNNEL_WORKER_THREADS="2")
+    node_b = await asyncio.to_thread(ZtunnelProcess(env, tmp_path / "b.log").start)
+    try:
+        target = f"{m.server_app[0]}:{m.server_app[1]}"
+        victim = ca.issue(CLIENT, HOUR)
+        tunnels = []
+        for _ in range(4):  # the kernel and the balance spread them over both workers
+            conn: Any = await hbone_dial((m.node_b, 15008), victim)
+            status, reader, writer = await hbone_tunnel(conn, target)
+            assert status == 200
+            writer.write(b"ping\n")
+            assert await asyncio.wait_for(reader.readline(), 5) == b"ping\n"
+            tunnels.append((conn, reader, writer))
+        write_atomically(crl, pem(signed_crl(ca, [1, victim.cert.serial_number], number=2)))
+        for conn, reader, writer in tunnels:
+            assert await ended(reader)
+            writer.close()
+            conn.abort("test done")
+        got = await scraped_until(m.node_b, ("istio_crl_policy_rejections_total", "destination"), 4)
+        assert got[("istio_crl_policy_rejections_total", "destination")] == 4, got
+    finally:
+        assert await asyncio.to_thread(node_b.stop) == 0
+    crl.write_bytes(b"-----BEGIN X509 CRL-----\nbroken\n-----END X509 CRL-----\n")
+    bad = ZtunnelProcess(env, tmp_path / "bad.log")
+    with pytest.raises(RuntimeError, match="exited"):
+        await asyncio.to_thread(bad.start)
+    assert f"CRL_PATH={crl}: CRL block 1 is not a valid PEM CRL" in (tmp_path / "bad.log").read_text()
