@@ -724,3 +724,28 @@ async def test_peer_chain_is_the_verified_chain(ca: LocalCA, client_cert: Worklo
     from cryptography.hazmat.primitives.serialization import Encoding
 
     assert seen[0] == [c.public_bytes(Encoding.DER) for c in (leaf.cert, inter.root_cert, ca.root_cert)]
+
+
+# --- COMPLIANCE_POLICY=pqc ----------------------------------------------------------------------------------------
+
+
+def test_pqc_refusal_states_what_was_checked() -> None:
+    """The ssl module's OpenSSL is asked for the X25519MLKEM768 group (SSL_CTX_set1_groups_list); it accepts the
+    classical groups, so the probe itself works, and the refusal names both OpenSSLs and the reason."""
+    from cryptography.hazmat.backends.openssl import backend
+
+    from ztunnel.config import ConfigError, from_env
+    from ztunnel.tls import PQC_GROUP, key_exchange_group_supported, pqc_refusal
+
+    assert key_exchange_group_supported("X25519") and key_exchange_group_supported("P-256")
+    assert not key_exchange_group_supported("no-such-group")
+    supported = key_exchange_group_supported(PQC_GROUP)
+    assert supported == (ssl.OPENSSL_VERSION_INFO >= (3, 5))
+    message = pqc_refusal()
+    assert ssl.OPENSSL_VERSION in message
+    if not supported:
+        assert "does not know the X25519MLKEM768 group" in message
+        assert backend.openssl_version_text() in message and "pyOpenSSL cannot set" in message
+    with pytest.raises(ConfigError) as e:
+        from_env({"COMPLIANCE_POLICY": "pqc"}, cpu_count=2)
+    assert str(e.value) == message

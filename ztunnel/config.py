@@ -881,17 +881,10 @@ def _no_effect_warnings(e: _Env) -> tuple[str, ...]:
 
 
 def _compliance_refusal() -> str:
-    """Why ``COMPLIANCE_POLICY=pqc`` is refused, naming the TLS library in use.
+    """Why ``COMPLIANCE_POLICY=pqc`` is refused: :func:`ztunnel.tls.pqc_refusal` (it checks the OpenSSL in use)."""
+    from ztunnel.tls import pqc_refusal
 
-    The policy allows only the X25519MLKEM768 key exchange. The data path's TLS is Python's ssl module: OpenSSL has
-    ML-KEM from 3.5 on, but the ssl module (3.11) can only pick one classical ECDH curve, not a key-exchange group
-    list, so the policy cannot be applied even then; accepting it would silently negotiate classical key exchange.
-    """
-    return (
-        f"COMPLIANCE_POLICY=pqc is refused: it requires the X25519MLKEM768 key exchange only, which this ztunnel's "
-        f"TLS ({ssl.OPENSSL_VERSION}, through Python's ssl module) cannot be restricted to; accepting it would "
-        "negotiate classical key exchange"
-    )
+    return pqc_refusal()
 
 
 def _validate(cfg: Config) -> Config:
