@@ -23,7 +23,6 @@ import json
 import math
 import os
 import re
-import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
