@@ -17,10 +17,11 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from tests.identity.certs import build_crl, build_intermediate
 from ztunnel.config import ConfigError, from_env
-from ztunnel.crl import CrlError, CrlManager, CrlMetrics, load_crl_file, parse_crls
+from ztunnel.crl import CrlError, CrlManager, load_crl_file, parse_crls
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
 from ztunnel.metrics import Registry
+from ztunnel.proxy.metrics import CrlMetrics
 from ztunnel.testing import (
     EchoServer,
     TwoNodeMesh,

@@ -23,7 +23,7 @@ from prometheus_client.samples import Sample
 from ztunnel import thirdparty
 from ztunnel.admin import AdminServer
 from ztunnel.config import Config, ProxyMode
-from ztunnel.crl import CrlError, CrlMetrics, load_crl_file
+from ztunnel.crl import CrlError, load_crl_file
 from ztunnel.dns.metrics import Metrics as DnsMetrics
 from ztunnel.drain import Drain, DrainMode
 from ztunnel.errors import ZtunnelError
@@ -35,7 +35,7 @@ from ztunnel.proxy import Proxy
 from ztunnel.proxy.common import TlsContextCache
 from ztunnel.proxy.connection_manager import ConnectionRecord, connections_dump
 from ztunnel.proxy.inputs import LocalWorkload, OnDemand
-from ztunnel.proxy.metrics import TrafficMetrics, flush_periodically
+from ztunnel.proxy.metrics import CrlMetrics, TrafficMetrics, flush_periodically
 from ztunnel.proxyfactory import PodProxies, ProxyFactory, crl_manager
 from ztunnel.readiness import BlockReady, Readiness, ReadinessServer
 from ztunnel.state import ProxyState

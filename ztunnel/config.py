@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -741,7 +742,7 @@ def from_env(
     if compliance not in (None, "pqc"):
         raise e.error("COMPLIANCE_POLICY", compliance, "expected pqc or unset")
     if compliance == "pqc":
-        raise ConfigError(_compliance_refusal())
+        raise ConfigError(pqc_refusal())
     # Loaded and watched by ztunnel.crl (each data-plane process); a file that does not parse fails the start.
     crl_path = env.get("CRL_PATH") or None
 
@@ -879,11 +880,39 @@ def _no_effect_warnings(e: _Env) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _compliance_refusal() -> str:
-    """Why ``COMPLIANCE_POLICY=pqc`` is refused: :func:`ztunnel.tls.pqc_refusal` (it checks the OpenSSL in use)."""
-    from ztunnel.tls import pqc_refusal
+PQC_GROUP = "X25519MLKEM768"
 
-    return pqc_refusal()
+
+def pqc_refusal() -> str:
+    """Why ``COMPLIANCE_POLICY=pqc`` (key exchange X25519MLKEM768 only, as upstream) is refused, with the facts.
+
+    The data path's TLS is the ``ssl`` module, whose OpenSSL must know the group: ML-KEM came in OpenSSL 3.5
+    (``ztunnel.tls.key_exchange_group_supported`` asks libssl itself; a test holds it to this version rule). The
+    OpenSSL that ``cryptography`` and pyOpenSSL bundle has ML-KEM, but is not usable for the data path: pyOpenSSL
+    can set neither a group list nor anything but a classical ECDH curve, and the bundled libssl is linked in
+    without exported symbols.
+    """
+    try:
+        from cryptography.hazmat.backends.openssl import backend
+
+        bundled = backend.openssl_version_text()
+    except Exception:  # pragma: no cover - cryptography is a dependency
+        bundled = "unknown"
+    if ssl.OPENSSL_VERSION_INFO >= (3, 5):
+        why = (
+            f"{ssl.OPENSSL_VERSION} (Python's ssl module) knows {PQC_GROUP}, but this ztunnel does not yet restrict "
+            "the key exchange to it"
+        )
+    else:
+        why = (
+            f"the data path's TLS is Python's ssl module, linked with {ssl.OPENSSL_VERSION}, which does not know the "
+            f"{PQC_GROUP} group (ML-KEM key exchange needs OpenSSL 3.5 or later); the {bundled} bundled by "
+            "cryptography/pyOpenSSL has ML-KEM, but pyOpenSSL cannot set a context's key-exchange groups"
+        )
+    return (
+        f"COMPLIANCE_POLICY=pqc is refused: upstream allows only the {PQC_GROUP} key exchange, and {why}. Accepting it "
+        "would negotiate classical (X25519/ECDHE) key exchange; unset COMPLIANCE_POLICY"
+    )
 
 
 def _validate(cfg: Config) -> Config:
@@ -999,7 +1028,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(("ENABLE_RESPONSE_BAGGAGE",), ("enable_response_baggage",)),
     Setting(("CRL_PATH",), ("crl_path",)),
     Setting(("TLS12_ENABLED",), ("tls12_enabled",)),
-    # Security: pqc would silently negotiate classical key exchange here (see _compliance_refusal).
+    # Security: pqc would silently negotiate classical key exchange here (see pqc_refusal).
     Setting(
         ("COMPLIANCE_POLICY",),
         ("compliance_policy",),

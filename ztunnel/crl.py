@@ -34,20 +34,19 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Protocol
 
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPublicKeyTypes
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from ztunnel.errors import ZtunnelError
-from ztunnel.metrics import Registry
 
 __all__ = [
     "POLL_INTERVAL",
+    "CrlCounters",
     "CrlError",
     "CrlManager",
-    "CrlMetrics",
     "CrlSet",
     "Tracked",
     "load_crl_file",
@@ -156,24 +155,12 @@ def load_crl_file(path: str) -> CrlSet:
     return parse_crls(data, f"CRL_PATH={path}")
 
 
-class CrlMetrics:
-    """Upstream's two CRL families (``proxy/metrics.rs``), label ``reporter``."""
+class CrlCounters(Protocol):
+    """Where the CRL counters go (:class:`ztunnel.proxy.metrics.CrlMetrics`: upstream's two families)."""
 
-    def __init__(self, registry: Registry) -> None:
-        self.rejections = registry.family(
-            "istio_crl_policy_rejections",
-            "The total number of connections rejected due to CRL certificate revocation (unstable)",
-        )
-        self.untracked = registry.family(
-            "istio_crl_untracked_connections",
-            "The total number of connections not tracked for CRL enforcement (unstable)",
-        )
+    def rejected(self, reporter: str) -> None: ...
 
-    def rejected(self, reporter: str) -> None:
-        self.rejections.child((("reporter", reporter),)).value += 1
-
-    def untracked_connection(self, reporter: str) -> None:
-        self.untracked.child((("reporter", reporter),)).value += 1
+    def untracked_connection(self, reporter: str) -> None: ...
 
 
 @dataclass(eq=False)
@@ -192,7 +179,7 @@ class CrlManager:
     """The CRL set of one process, its file watch, and the connections it may have to close."""
 
     path: str
-    metrics: CrlMetrics | None = None
+    metrics: CrlCounters | None = None
     current: CrlSet = field(default_factory=CrlSet)
     generation: int = 0  # bumped on every load that changed the set: TLS contexts are rebuilt when it moves
     _tracked: set[Tracked] = field(default_factory=set)
@@ -201,7 +188,7 @@ class CrlManager:
     _task: asyncio.Task[None] | None = None
 
     @classmethod
-    def start(cls, path: str, metrics: CrlMetrics | None = None) -> CrlManager:
+    def start(cls, path: str, metrics: CrlCounters | None = None) -> CrlManager:
         """Load ``path`` now (raises :class:`CrlError` if it exists and does not parse)."""
         m = cls(path, metrics)
         m._stamp = m._stat()
@@ -211,7 +198,7 @@ class CrlManager:
         return m
 
     @classmethod
-    def lenient(cls, path: str, metrics: CrlMetrics | None = None) -> CrlManager:
+    def lenient(cls, path: str, metrics: CrlCounters | None = None) -> CrlManager:
         """Like :meth:`start`, but a file that does not parse is logged and retried at each change."""
         m = cls(path, metrics)
         m.generation = 1

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ztunnel.config import Config, WorkloadInfo
-from ztunnel.crl import CrlManager, CrlMetrics
+from ztunnel.crl import CrlCounters, CrlManager
 from ztunnel.dns import DnsProxy
 from ztunnel.dns.metrics import Metrics as DnsMetrics
 from ztunnel.drain import Drain, DrainMode
@@ -31,7 +31,7 @@ from ztunnel.state import ProxyState
 log = logging.getLogger("ztunnel.proxyfactory")
 
 
-def crl_manager(config: Config, metrics: CrlMetrics | None, *, strict: bool = True) -> CrlManager | None:
+def crl_manager(config: Config, metrics: CrlCounters | None, *, strict: bool = True) -> CrlManager | None:
     """The process's CRL manager when ``CRL_PATH`` is set (upstream builds it in ``ProxyFactory::new``), watching
     the file from the running loop.
 

@@ -58,7 +58,6 @@ __all__ = [
     "load_crls",
     "peer_chain",
     "peer_identities",
-    "pqc_refusal",
     "server_context",
     "set_tls13_ciphersuites",
     "verify_client_identity",
@@ -332,42 +331,14 @@ PQC_GROUP: Final = "X25519MLKEM768"
 
 def key_exchange_group_supported(group: str = PQC_GROUP) -> bool:
     """Whether the libssl behind the ``ssl`` module accepts ``group`` as a key-exchange group list (asked of a
-    scratch context through ``SSL_CTX_set1_groups_list``): X25519MLKEM768 needs OpenSSL 3.5 or later."""
+    scratch context through ``SSL_CTX_set1_groups_list``): X25519MLKEM768 needs OpenSSL 3.5 or later, the version
+    :func:`ztunnel.config.pqc_refusal` goes by (a test holds the two to agree)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:
         pointer = _ssl_ctx_pointer(ctx)
     except TlsConfigError:
         return False
     return bool(_libssl().SSL_CTX_ctrl(pointer, _SSL_CTRL_SET_GROUPS_LIST, 0, group.encode("ascii")) == 1)
-
-
-def pqc_refusal() -> str:
-    """Why ``COMPLIANCE_POLICY=pqc`` (key exchange X25519MLKEM768 only, as upstream) cannot be honoured here, with
-    the facts checked now: the data path's TLS is the ``ssl`` module, whose OpenSSL must accept the group; the
-    OpenSSL that ``cryptography`` and pyOpenSSL bundle is not reachable for the data path (pyOpenSSL can set neither
-    a group list nor anything but a classical ECDH curve, and the bundled libssl is linked in without exported
-    symbols)."""
-    try:
-        from cryptography.hazmat.backends.openssl import backend
-
-        bundled = backend.openssl_version_text()
-    except Exception:  # pragma: no cover - cryptography is a dependency
-        bundled = "unknown"
-    if key_exchange_group_supported(PQC_GROUP):
-        why = (
-            f"{ssl.OPENSSL_VERSION} (Python's ssl module) knows {PQC_GROUP}, but this ztunnel does not yet restrict "
-            "the key exchange to it"
-        )
-    else:
-        why = (
-            f"the data path's TLS is Python's ssl module, linked with {ssl.OPENSSL_VERSION}, which does not know the "
-            f"{PQC_GROUP} group (ML-KEM key exchange needs OpenSSL 3.5 or later); the {bundled} bundled by "
-            "cryptography/pyOpenSSL has ML-KEM, but pyOpenSSL cannot set a context's key-exchange groups"
-        )
-    return (
-        f"COMPLIANCE_POLICY=pqc is refused: upstream allows only the {PQC_GROUP} key exchange, and {why}. Accepting it "
-        "would negotiate classical (X25519/ECDHE) key exchange; unset COMPLIANCE_POLICY"
-    )
 
 
 def _disable_server_session_cache(ctx: ssl.SSLContext) -> None:

@@ -32,7 +32,6 @@ from prometheus_client import CollectorRegistry
 
 from ztunnel import telemetry, thirdparty
 from ztunnel.config import Config, LogFormat, ProxyMode
-from ztunnel.crl import CrlMetrics
 from ztunnel.dns import DnsProxy
 from ztunnel.dns.metrics import Metrics as DnsMetrics
 from ztunnel.drain import Drain, DrainMode
@@ -47,7 +46,7 @@ from ztunnel.proxy.common import TlsContextCache
 from ztunnel.proxy.connection_manager import ConnectionRecord, connections_dump
 from ztunnel.proxy.inbound import Inbound
 from ztunnel.proxy.inputs import LocalWorkload
-from ztunnel.proxy.metrics import TrafficMetrics, flush_periodically
+from ztunnel.proxy.metrics import CrlMetrics, TrafficMetrics, flush_periodically
 from ztunnel.proxyfactory import PodProxies, ProxyFactory, crl_manager
 from ztunnel.state import ProxyState
 from ztunnel.state.workload import NetworkAddress
