@@ -36,7 +36,7 @@ from ztunnel.proxy.common import TlsContextCache
 from ztunnel.proxy.connection_manager import ConnectionRecord, connections_dump
 from ztunnel.proxy.inputs import LocalWorkload, OnDemand
 from ztunnel.proxy.metrics import CrlMetrics, TrafficMetrics, flush_periodically
-from ztunnel.proxyfactory import PodProxies, ProxyFactory, crl_manager
+from ztunnel.proxyfactory import PodProxies, ProxyFactory, SelfProxy, crl_manager
 from ztunnel.readiness import BlockReady, Readiness, ReadinessServer
 from ztunnel.state import ProxyState
 from ztunnel.state.workload import NetworkAddress
@@ -78,6 +78,7 @@ class App:
     inpod_state: Any = None
     dns_proxy: Any = None
     inpod_task: Any = None
+    self_proxy: SelfProxy | None = None  # shared mode: ztunnel's own inbound (POD_NAME/...), inline data plane
 
     supervisor: Supervisor | None = None  # the worker processes (None: ZTUNNEL_INLINE_DATA_PLANE=true)
     prefork: Preforked | None = None  # the first workers, forked by the CLI before any thread existed
@@ -175,6 +176,9 @@ class App:
                 await self.proxy.start()
                 proxy_ready.release()
         elif self.config.proxy_mode is ProxyMode.SHARED:
+            self.self_proxy = self.factory.self_proxy(self.drain)
+            if self.self_proxy is not None:
+                await self.self_proxy.start()
             self._start_inpod(state_ready, self.factory)
         # Bytes of long-lived connections reach the counters every 5 s, for every proxy (in-pod: every pod's).
         self.tasks.spawn(flush_periodically(self._all_connections, self.traffic), "metrics flush")
@@ -280,7 +284,8 @@ class App:
         return out
 
     def _all_connections(self) -> list[ConnectionRecord]:
-        return [r for p in self._proxies() for r in p.pi.connections]
+        own = list(self.self_proxy.pi.connections) if self.self_proxy is not None else []
+        return [r for p in self._proxies() for r in p.pi.connections] + own
 
     def _connections(self) -> list[dict[str, Any]]:
         """The admin ``/connections`` list: every proxy's open connections as JSON."""
@@ -405,6 +410,8 @@ class App:
                     self.drain.force()
                 proxy.force_close()
             await proxy.pi.tasks.cancel_all(timeout=1.0)
+        if self.self_proxy is not None:
+            await self.self_proxy.stop(not self.drain.forced, deadline)
         if self.inpod_state is not None:
             if self.inpod_task is not None:
                 self.inpod_task.cancel()  # stop talking ZDS first: no new pods during the drain

@@ -47,7 +47,7 @@ from ztunnel.proxy.connection_manager import ConnectionRecord, connections_dump
 from ztunnel.proxy.inbound import Inbound
 from ztunnel.proxy.inputs import LocalWorkload
 from ztunnel.proxy.metrics import CrlMetrics, TrafficMetrics, flush_periodically
-from ztunnel.proxyfactory import PodProxies, ProxyFactory, crl_manager
+from ztunnel.proxyfactory import PodProxies, ProxyFactory, SelfProxy, crl_manager
 from ztunnel.state import ProxyState
 from ztunnel.state.workload import NetworkAddress
 from ztunnel.tasks import TaskGroup
@@ -136,6 +136,7 @@ class Worker:
         self.serving = False
         self.proxy: Proxy | None = None
         self.dns_proxy: DnsProxy | None = None
+        self.self_proxy: SelfProxy | None = None  # shared mode: ztunnel's own inbound (POD_NAME/...)
         self.pods: dict[str, _Pod] = {}
         self._pod_ops: asyncio.Queue[tuple[p.Message, list[int]]] = asyncio.Queue()
         self._host_fd: int | None = None
@@ -326,6 +327,10 @@ class Worker:
                     if self.proxy.socks5 is not None and self.dns_proxy is not None:
                         self.proxy.socks5.resolve = self.dns_proxy.resolve
                     await self.proxy.start()
+            elif cfg.proxy_mode is ProxyMode.SHARED:
+                self.self_proxy = self.factory.self_proxy(self.drain)
+                if self.self_proxy is not None:
+                    await self.self_proxy.start()
         except Exception as e:
             # A port in use, a missing capability: the control process logs it (and at startup exits with it).
             log.error("worker %d cannot serve: %s", self.index, e)
@@ -389,7 +394,8 @@ class Worker:
         return out + [pod.proxies.proxy for pod in self.pods.values()]
 
     def _connections(self) -> list[ConnectionRecord]:
-        return [r for proxy in self._proxies() for r in proxy.pi.connections]
+        own = list(self.self_proxy.pi.connections) if self.self_proxy is not None else []
+        return [r for proxy in self._proxies() for r in proxy.pi.connections] + own
 
     def _answer(self, what: str) -> Any:
         if what == "connections":
@@ -437,6 +443,8 @@ class Worker:
                 await proxy.pi.tasks.cancel_all(timeout=1.0)
 
             waits.append(dedicated())
+        if self.self_proxy is not None:
+            waits.append(self.self_proxy.stop(graceful, deadline))
         for pod in self.pods.values():
             pod.proxies.deadline = deadline
             if not graceful:
