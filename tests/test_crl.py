@@ -122,7 +122,7 @@ def test_open_connection_check_follows_the_chain() -> None:
     m.reload(parse_crls(pem(build_crl(inter.root_cert, ca.root_key, [leaf.cert.serial_number]))))  # type: ignore[arg-type]
     assert calls == []  # the intermediate's name, the root's signature: not a CRL of the intermediate
     m.reload(parse_crls(pem(signed_crl(ca, [inter.root_cert.serial_number]))))
-    assert len(calls) == 1 and "a CA certificate in the peer chain" in calls[0]
+    assert len(calls) == 1 and "a CA certificate of its chain" in calls[0]
     assert m.tracked == 0
     assert metrics.rejections.child((("reporter", "destination"),)).value == 1
     assert m.track(None, "source", "peer", calls.append) is None  # no chain: untracked and counted
@@ -199,7 +199,7 @@ async def test_revoked_client_is_refused_and_an_open_tunnel_closed_on_update(
         assert await ended(reader)  # the tunnel ends without our asking
         writer.close()
         lines = await eventually(lambda: access_fields(caplog.records, "inbound"))
-        assert "revoked by CRL update" in str(lines[-1].get("error")), lines
+        assert "connection closed: peer certificate revoked by CRL (" in str(lines[-1].get("error")), lines
         assert await eventually(lambda: conn.closed)
         assert "CERT_REVOKED" in await failed_flags(m.node_b, "destination")
         assert (await crl_samples(m.node_b))[("istio_crl_policy_rejections_total", "destination")] == 1
@@ -240,7 +240,7 @@ async def test_revoked_server_closes_the_pooled_connection_and_is_refused_after(
         assert await eventually(lambda: pooled.closed)
         assert "CERT_REVOKED" in await failed_flags(m.node_a, "source")
         lines = await eventually(lambda: access_fields(caplog.records, "outbound"))
-        assert "revoked by CRL update" in str(lines[-1].get("error")), lines
+        assert "connection closed: peer certificate revoked by CRL (" in str(lines[-1].get("error")), lines
         assert (await crl_samples(m.node_a))[("istio_crl_policy_rejections_total", "source")] == 1
 
         # Node B still presents the revoked certificate: A's next handshake refuses it.

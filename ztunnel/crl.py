@@ -302,8 +302,12 @@ class CrlManager:
         self._tracked.discard(t)
         if self.metrics is not None:
             self.metrics.rejected(t.reporter)
-        what = "peer certificate" if cert is t.chain[0] else "a CA certificate in the peer chain"
-        reason = f"{what} (serial {cert.serial_number:x}, issuer {cert.issuer.rfc4514_string()}) revoked by CRL update"
+        what = "its certificate" if cert is t.chain[0] else "a CA certificate of its chain"
+        # Upstream's Error::CertificateRevoked text, then which certificate a CRL update revoked.
+        reason = (
+            f"connection closed: peer certificate revoked by CRL ({what}, serial {cert.serial_number:x}, issuer "
+            f"{cert.issuer.rfc4514_string()})"
+        )
         log.warning("terminating connection with %s: %s", t.peer, reason)
         try:
             t.on_revoked(reason)
