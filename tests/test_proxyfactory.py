@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -172,3 +173,70 @@ async def test_worker_processes_serve_ztunnels_own_inbound(tmp_path: Path) -> No
                 assert body.startswith(b"HTTP/1.1 200") and b"# TYPE istio_build" in body, body[:200]
     finally:
         assert await asyncio.to_thread(zt.stop) == 0
+
+
+def _ztunnel_pod_on_node1(text: str, node_ips: dict[str, str]) -> str:
+    workload = (
+        '- {uid: "Kubernetes//Pod/istio-system/ztunnel-node1", name: ztunnel-node1, namespace: istio-system,\n'
+        f'   serviceAccount: ztunnel, workloadIps: ["{node_ips["node1"]}"], protocol: HBONE, node: node1,\n'
+        "   canonicalName: ztunnel, workloadName: ztunnel}\n"
+    )
+    policy = (
+        "policies:\n"
+        "- {name: only-client-scrapes-ztunnel, namespace: istio-system, scope: Namespace, action: Allow,\n"
+        "   rules: [[[{principals: [{Exact: cluster.local/ns/default/sa/client}]}]]]}\n"
+    )
+    return text.replace("\nservices:", "\n" + workload + "services:", 1) + policy
+
+
+async def test_hbone_metrics_access_namespaced(tmp_path: Path) -> None:
+    """Upstream's ``test_hbone_metrics_access`` with real network namespaces: the captured client pod GETs node1's
+    ztunnel metrics at the node's IP; istio-cni's rules send it to the pod's outbound listener, node1's ztunnel
+    carries it over HBONE to its own pod IP on 15008 (ztunnel's own inbound, in the node namespace), which connects
+    to its own 15020. A captured pod of another identity (server-a) is denied by the policy on ztunnel's namespace."""
+    from tests.inpod.cluster import running_cluster
+    from ztunnel.testing import netns as tn
+
+    tn.require(iptables=True)
+    with tn.Topology() as topo:
+        node_env = {"node1": {**DOWNWARD_API, "POD_NAME": "ztunnel-node1"}}
+        async with running_cluster(topo, tmp_path, dns=False, node_env=node_env, mesh_edit=_ztunnel_pod_on_node1) as c:
+            zt = str(c.nodes["node1"].ip)
+            request = b"GET /metrics HTTP/1.1\r\nHost: ztunnel\r\nConnection: close\r\n\r\n"
+
+            def scrape_from_client() -> bytes:
+                # No half-close after the request (HTTP/1.1 clients wait for the answer with the socket open).
+                with socket.create_connection((zt, 15020), timeout=10) as s:
+                    s.sendall(request)
+                    out = b""
+                    while chunk := s.recv(65536):
+                        out += chunk
+                    return out
+
+            reply = await asyncio.to_thread(c.pods["client"].run, scrape_from_client)
+            denied = await asyncio.to_thread(c.pods["server-a"].run, scrape_from_client)
+            assert denied == b""
+            assert reply.startswith(b"HTTP/1.1 200") and b"# TYPE istio_build" in reply, reply[:300]
+            records = await eventually(
+                lambda: [
+                    r
+                    for r in c.access("node1")
+                    if r.get("dst.workload") == "ztunnel-node1"
+                    and r["direction"] == "inbound"
+                    and r.get("src.workload") == "client"
+                ]
+            )
+            [record] = records
+            assert record["src.workload"] == "client"
+            assert record["src.identity"] == "spiffe://cluster.local/ns/default/sa/client"
+            assert record["dst.addr"] == f"{zt}:15008" and record["dst.hbone_addr"] == f"{zt}:15020"
+            assert "error" not in record
+            refused = [
+                r
+                for r in c.access("node1")
+                if r["direction"] == "inbound"
+                and r.get("src.identity") == "spiffe://cluster.local/ns/default/sa/server"
+            ]
+            assert len(refused) == 1 and "policy rejection" in refused[0]["error"], refused
+            outbound = [r for r in c.access("node1") if r["direction"] == "outbound"]
+            assert [r["dst.hbone_addr"] for r in outbound] == [f"{zt}:15020"] * 2

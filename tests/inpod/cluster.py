@@ -168,9 +168,16 @@ async def dns_cluster(topology: tn.Topology, tmp_path: Path) -> AsyncIterator[Cl
 
 @contextlib.asynccontextmanager
 async def running_cluster(
-    topo: tn.Topology, tmp_path: Path, dns: bool, extra_env: dict[str, str] | None = None
+    topo: tn.Topology,
+    tmp_path: Path,
+    dns: bool,
+    extra_env: dict[str, str] | None = None,
+    *,
+    node_env: dict[str, dict[str, str]] | None = None,
+    mesh_edit: Callable[[str, dict[str, str]], str] | None = None,
 ) -> AsyncIterator[Cluster]:
-    """The cluster with its two ztunnels (``extra_env``: more of their environment)."""
+    """The cluster with its two ztunnels (``extra_env``: more of their environment; ``node_env``: more of one node's;
+    ``mesh_edit``: rewrites the mesh config's YAML, given each node's IP)."""
     pods = {
         "client": topo.pod("node1", "client"),
         "server-a": topo.pod("node1", "server_a"),
@@ -179,11 +186,12 @@ async def running_cluster(
     }
     nodes = {"node1": topo.nodes["node1"], "node2": topo.nodes["node2"]}
     config = tmp_path / "mesh.yaml"
-    config.write_text(
-        MESH.format(
-            client=pods["client"].ip, server_a=pods["server-a"].ip, server_b=pods["server-b"].ip, plain=pods["plain"].ip
-        )
+    mesh = MESH.format(
+        client=pods["client"].ip, server_a=pods["server-a"].ip, server_b=pods["server-b"].ip, plain=pods["plain"].ip
     )
+    if mesh_edit is not None:
+        mesh = mesh_edit(mesh, {name: str(node.ip) for name, node in nodes.items()})
+    config.write_text(mesh)
     c = Cluster(topo, tmp_path, pods, nodes)
     listeners = _servers(topo, pods)
     enrolled = {"node1": ["client", "server-a"], "node2": ["server-b"]}  # "plain" stays out of the mesh
@@ -219,6 +227,7 @@ async def running_cluster(
                 "ISTIO_META_DNS_CAPTURE": "true" if dns else "false",
                 "CONNECTION_TERMINATION_DEADLINE": "2s",
                 **(extra_env or {}),
+                **(node_env or {}).get(node, {}),
             }
             with open(c.logs[node], "wb") as log:  # noqa: ASYNC230 - set-up, before any traffic
                 c.ztunnels[node] = nodes[node].popen(
