@@ -285,6 +285,7 @@ async def test_worker_processes_close_tunnels_on_update(
     bad = ZtunnelProcess(env, tmp_path / "bad.log")
     with pytest.raises(RuntimeError, match="exited"):
         await asyncio.to_thread(bad.start)
+    assert bad.stop() == 1  # closes its log too
     assert f"CRL_PATH={crl}: CRL block 1 is not a valid PEM CRL" in (tmp_path / "bad.log").read_text()
 
 

@@ -155,7 +155,7 @@ class App:
             self.config,
             self.state,
             self.certs,
-            TlsContextCache(self.config.tls12_enabled, crl_manager(self.config, self.crl_metrics)),
+            TlsContextCache(self.config.tls12_enabled, crl_manager(self.config, self.crl_metrics, self.tasks)),
             self.traffic,
             self.dns_metrics,
             on_demand=self._on_demand(),

@@ -202,7 +202,6 @@ class CrlManager:
     _tracked: set[Tracked] = field(default_factory=set)
     _stamp: tuple[int, int, int] | None = None
     _failed_stamp: tuple[int, int, int] | None = None
-    _task: asyncio.Task[None] | None = None
 
     @classmethod
     def start(cls, path: str, metrics: CrlCounters | None = None) -> CrlManager:
@@ -229,18 +228,8 @@ class CrlManager:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
-    def watch(self) -> asyncio.Task[None]:
-        """Start polling the file in the running loop (the task is returned and kept for :meth:`close`)."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._poll(), name="crl watch")
-        return self._task
-
-    def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
-
-    async def _poll(self) -> None:
+    async def poll(self) -> None:
+        """Watch the file until cancelled: run it as a task of the process's owner (``crl watch``)."""
         while True:
             await asyncio.sleep(POLL_INTERVAL)
             self.check()

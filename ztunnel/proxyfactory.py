@@ -31,13 +31,16 @@ from ztunnel.proxy.metrics import TrafficMetrics
 from ztunnel.proxy.pool import WorkloadHBONEPool
 from ztunnel.sockets import SocketConfig, SocketFactory
 from ztunnel.state import ProxyState
+from ztunnel.tasks import TaskGroup
 
 log = logging.getLogger("ztunnel.proxyfactory")
 
 
-def crl_manager(config: Config, metrics: CrlCounters | None, *, strict: bool = True) -> CrlManager | None:
+def crl_manager(
+    config: Config, metrics: CrlCounters | None, tasks: TaskGroup, *, strict: bool = True
+) -> CrlManager | None:
     """The process's CRL manager when ``CRL_PATH`` is set (upstream builds it in ``ProxyFactory::new``), watching
-    the file from the running loop.
+    the file in a task of ``tasks`` (cancelled with them at shutdown).
 
     ``strict``: raise :class:`ztunnel.crl.CrlError` when the file exists and does not parse (the start fails with
     the file and the block named; stricter than upstream, which then logs a warning and checks no revocation at
@@ -47,7 +50,7 @@ def crl_manager(config: Config, metrics: CrlCounters | None, *, strict: bool = T
     if config.crl_path is None:
         return None
     manager = CrlManager.start(config.crl_path, metrics) if strict else CrlManager.lenient(config.crl_path, metrics)
-    manager.watch()
+    tasks.spawn(manager.poll(), "crl watch")
     return manager
 
 

@@ -227,7 +227,7 @@ class Worker:
             self.state,
             self.certs,
             # Each worker watches CRL_PATH itself (ztunnel/crl.py says why); the control process checked it parses.
-            TlsContextCache(cfg.tls12_enabled, crl_manager(cfg, CrlMetrics(self.registry), strict=False)),
+            TlsContextCache(cfg.tls12_enabled, crl_manager(cfg, CrlMetrics(self.registry), self.tasks, strict=False)),
             self.traffic,
             dns_metrics,
             on_demand=self._on_demand if msg.on_demand else None,
