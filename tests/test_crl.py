@@ -371,3 +371,35 @@ async def test_envoy_originator_revoked_while_tunnel_open(tmp_path: Path) -> Non
             assert echo.connections == 1
     finally:
         await echo.stop()
+
+
+async def test_a_file_removed_keeps_the_lists(tmp_path: Path) -> None:
+    """As upstream, whose reload fails on a missing file: revocations stay in force when the file goes away (only at
+    startup is a missing file an empty set), and are replaced when it comes back."""
+    ca = LocalCA.generate(TD)
+    path = tmp_path / "ca-crl.pem"
+    m = CrlManager.lenient(str(path))  # missing at start: nothing revoked, and no error
+    assert m.current.empty and not m.check()
+    write_atomically(path, pem(signed_crl(ca, [9])))
+    assert m.check() and [sorted(c.serials) for c in m.current.crls] == [[9]]
+    path.unlink()
+    assert not m.check() and [sorted(c.serials) for c in m.current.crls] == [[9]]
+    write_atomically(path, pem(signed_crl(ca, [10], number=2)))
+    assert m.check() and [sorted(c.serials) for c in m.current.crls] == [[10]]
+
+
+def test_a_list_openssl_refuses_is_refused_at_load(tmp_path: Path) -> None:
+    """The validator (OpenSSL loading the lists into a context, ztunnel.tls.check_crls) runs at every load: what it
+    refuses is a bad file, with the reason, never a failure at a connection's handshake."""
+    ca = LocalCA.generate(TD)
+    path = tmp_path / "ca-crl.pem"
+    write_atomically(path, pem(signed_crl(ca, [9])))
+
+    def refuse(crls: object) -> None:
+        raise ValueError("OpenSSL says no")
+
+    with pytest.raises(CrlError, match=rf"CRL_PATH={path}: OpenSSL says no"):
+        CrlManager.start(str(path), None, refuse)
+    from ztunnel.tls import check_crls
+
+    assert CrlManager.start(str(path), None, check_crls).current.crls  # a real list passes OpenSSL's loading

@@ -23,7 +23,7 @@ from prometheus_client.samples import Sample
 from ztunnel import thirdparty
 from ztunnel.admin import AdminServer
 from ztunnel.config import Config, ProxyMode
-from ztunnel.crl import CrlError, load_crl_file
+from ztunnel.crl import CrlError, CrlManager
 from ztunnel.dns.metrics import Metrics as DnsMetrics
 from ztunnel.drain import Drain, DrainMode
 from ztunnel.errors import ZtunnelError
@@ -41,6 +41,7 @@ from ztunnel.readiness import BlockReady, Readiness, ReadinessServer
 from ztunnel.state import ProxyState
 from ztunnel.state.workload import NetworkAddress
 from ztunnel.tasks import TaskGroup
+from ztunnel.tls import check_crls
 from ztunnel.workers.prefork import Preforked
 from ztunnel.workers.supervisor import PodFanout, RemotePod, Supervisor, WorkerStartError
 
@@ -141,7 +142,7 @@ class App:
         self.certs = self._certificate_provider()
         if self.config.crl_path is not None:
             try:  # checked here so a broken CRL_PATH fails the start with the file and block named
-                crls = load_crl_file(self.config.crl_path)
+                crls = CrlManager.start(self.config.crl_path, None, check_crls).current
             except CrlError as e:
                 raise StartupError(str(e)) from None
             log.info(

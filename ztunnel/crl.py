@@ -159,13 +159,17 @@ def parse_crls(data: bytes, where: str = "CRL_PATH") -> CrlSet:
     return CrlSet(tuple(crls), b"".join(pem))
 
 
-def load_crl_file(path: str) -> CrlSet:
-    """Read and parse ``path``; a missing file is an empty set (upstream waits for the ConfigMap to appear)."""
+def load_crl_file(path: str, *, missing_ok: bool = True) -> CrlSet:
+    """Read and parse ``path``; a missing file is an empty set with ``missing_ok`` (at startup: upstream waits for
+    the ConfigMap to appear), else an error (a file removed later keeps the lists in force, as upstream's reload
+    fails then)."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
-        return CrlSet()
+        if missing_ok:
+            return CrlSet()
+        raise CrlError(f"CRL_PATH={path}: the CRL file is gone") from None
     except OSError as e:
         raise CrlError(f"CRL_PATH={path}: cannot read the CRL file: {e.strerror or e}") from None
     return parse_crls(data, f"CRL_PATH={path}")
@@ -197,26 +201,34 @@ class CrlManager:
 
     path: str
     metrics: CrlCounters | None = None
+    # Checks a new set the way it will be used (OpenSSL loading it into a context: ztunnel.tls.check_crls), so a
+    # list cryptography parses but OpenSSL refuses is refused here, never at a connection's handshake.
+    validate: Callable[[CrlSet], None] | None = None
     current: CrlSet = field(default_factory=CrlSet)
     generation: int = 0  # bumped on every load that changed the set: TLS contexts are rebuilt when it moves
     _tracked: set[Tracked] = field(default_factory=set)
     _stamp: tuple[int, int, int] | None = None
     _failed_stamp: tuple[int, int, int] | None = None
+    _failed: bool = False
 
     @classmethod
-    def start(cls, path: str, metrics: CrlCounters | None = None) -> CrlManager:
+    def start(
+        cls, path: str, metrics: CrlCounters | None = None, validate: Callable[[CrlSet], None] | None = None
+    ) -> CrlManager:
         """Load ``path`` now (raises :class:`CrlError` if it exists and does not parse)."""
-        m = cls(path, metrics)
+        m = cls(path, metrics, validate)
         m._stamp = m._stat()
-        m.current = load_crl_file(path)
+        m.current = m._load(missing_ok=True)
         m.generation = 1
         log.info("loaded %d CRL(s) from %s", len(m.current.crls), path)
         return m
 
     @classmethod
-    def lenient(cls, path: str, metrics: CrlCounters | None = None) -> CrlManager:
+    def lenient(
+        cls, path: str, metrics: CrlCounters | None = None, validate: Callable[[CrlSet], None] | None = None
+    ) -> CrlManager:
         """Like :meth:`start`, but a file that does not parse is logged and retried at each change."""
-        m = cls(path, metrics)
+        m = cls(path, metrics, validate)
         m.generation = 1
         m.check()
         return m
@@ -234,18 +246,28 @@ class CrlManager:
             await asyncio.sleep(POLL_INTERVAL)
             self.check()
 
+    def _load(self, *, missing_ok: bool) -> CrlSet:
+        new = load_crl_file(self.path, missing_ok=missing_ok)
+        if self.validate is not None and not new.empty:
+            try:
+                self.validate(new)
+            except Exception as e:
+                raise CrlError(f"CRL_PATH={self.path}: {e}") from None
+        return new
+
     def check(self) -> bool:
-        """Reload if the file changed since the last look; True if a new set was loaded."""
+        """Reload if the file changed since the last look; True if a new set was loaded. A file that does not
+        parse, or is gone, keeps the lists in force (logged once per change of the file)."""
         stamp = self._stat()
-        if stamp == self._stamp or (stamp is not None and stamp == self._failed_stamp):
+        if stamp == self._stamp or (self._failed and stamp == self._failed_stamp):
             return False
         try:
-            new = load_crl_file(self.path)
+            new = self._load(missing_ok=False)
         except CrlError as e:
-            self._failed_stamp = stamp
+            self._failed, self._failed_stamp = True, stamp
             log.error("%s; keeping the %d CRL(s) loaded before", e, len(self.current.crls))
             return False
-        self._stamp, self._failed_stamp = stamp, None
+        self._stamp, self._failed, self._failed_stamp = stamp, False, None
         self.reload(new)
         return True
 

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ztunnel import tls
 from ztunnel.config import Config, ProxyMode, WorkloadInfo
 from ztunnel.crl import CrlCounters, CrlManager
 from ztunnel.dns import DnsProxy
@@ -49,7 +50,8 @@ def crl_manager(
     """
     if config.crl_path is None:
         return None
-    manager = CrlManager.start(config.crl_path, metrics) if strict else CrlManager.lenient(config.crl_path, metrics)
+    path = config.crl_path
+    manager = (CrlManager.start if strict else CrlManager.lenient)(path, metrics, tls.check_crls)
     tasks.spawn(manager.poll(), "crl watch")
     return manager
 

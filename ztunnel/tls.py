@@ -52,6 +52,7 @@ __all__ = [
     "TlsConfigError",
     "TlsError",
     "TrustDomainMismatch",
+    "check_crls",
     "client_context",
     "handshake_error",
     "key_exchange_group_supported",
@@ -218,6 +219,12 @@ def load_crls(ctx: ssl.SSLContext, crls: CrlSet) -> None:
         os.close(fd)
     lib.X509_STORE_set_verify_cb(store, _crl_verify_cb)
     ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_CHAIN
+
+
+def check_crls(crls: CrlSet) -> None:
+    """Raise :class:`TlsConfigError` if OpenSSL cannot load ``crls`` into a context (checked when the file is
+    loaded, so a handshake never meets it)."""
+    load_crls(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), crls)
 
 
 _VERIFY_CB = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
