@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -32,8 +33,10 @@ from ztunnel.testing import (
     hbone_tunnel,
     running_app,
     scrape,
+    scrape_now,
 )
 from ztunnel.testing.envoy import ORIGINATOR_LISTENER, Envoy, EnvoyTls, find_envoy, originator_config, terminator_config
+from ztunnel.testing.interop import CLIENT_ID, SERVER_ID, VIP, Impl, InteropMesh, Mode, require_upstream
 
 TD = "cluster.local"
 CLIENT = Identity(TD, "default", "client")
@@ -403,3 +406,90 @@ def test_a_list_openssl_refuses_is_refused_at_load(tmp_path: Path) -> None:
     from ztunnel.tls import check_crls
 
     assert CrlManager.start(str(path), None, check_crls).current.crls  # a real list passes OpenSSL's loading
+
+
+# --- upstream Rust ztunnel reads the same file ------------------------------------------------------------------------
+
+
+def _serial_of(mesh: InteropMesh, node: str, identity: str) -> int:
+    """The serial of the workload certificate ``node``'s ztunnel holds for ``identity`` (its /config_dump, read in
+    the node's namespace; upstream writes serials in decimal and this project in hex, so the PEM is read)."""
+    import base64
+    import json
+    import urllib.request
+
+    def dump() -> dict[str, Any]:
+        with urllib.request.urlopen("http://127.0.0.1:15000/config_dump", timeout=5) as r:
+            return dict(json.loads(r.read()))
+
+    for entry in mesh.nodes[node].run(dump)["certificates"]:
+        if entry["identity"] == identity and entry["certChain"]:
+            pem_text = base64.b64decode(entry["certChain"][0]["pem"])
+            return int(x509.load_pem_x509_certificate(pem_text).serial_number)
+    raise AssertionError(f"{node} holds no certificate for {identity}")
+
+
+def _refused_soon(mesh: InteropMesh) -> str:
+    """Attempts to the echo service until one is not connected (a CRL reload takes up to ~2 s upstream)."""
+    outcome = "connected"
+    for _ in range(30):
+        outcome = mesh.attempt(*VIP)
+        if outcome != "connected":
+            break
+        time.sleep(0.5)
+    return outcome
+
+
+def _crl_rejections(mesh: InteropMesh, node: str, reporter: str) -> float:
+    samples = mesh.nodes[node].run(scrape_now, mesh.nodes[node].ip)
+    return sum(
+        s.value
+        for s in samples
+        if s.name == "istio_crl_policy_rejections_total" and s.labels.get("reporter") == reporter
+    )
+
+
+@pytest.mark.root
+def test_upstream_and_ours_enforce_one_crl_file(tmp_path: Path) -> None:
+    """The same CRL_PATH file, signed by the mesh CA (the stand-in istiod's), on both nodes, in both directions with
+    upstream Rust ztunnel: ours refuses upstream's revoked server and client certificates, and upstream refuses
+    ours; each side counts it in istio_crl_policy_rejections_total."""
+    upstream_bin = require_upstream()
+    crl = tmp_path / "crl" / "ca-crl.pem"
+    crl.parent.mkdir()
+
+    class CrlMesh(InteropMesh):
+        def env(self, node: str) -> dict[str, str]:
+            return {**super().env(node), "CRL_PATH": str(crl)}
+
+    payload = b"crl interop\n" * 100
+    with CrlMesh(Mode.DEDICATED, tmp_path, upstream_bin) as mesh:
+        ca = LocalCA.load_or_create(mesh.ca_dir, TD)
+        write_atomically(crl, pem(signed_crl(ca, [1], number=1)))
+
+        # Ours (node1, client) to upstream (node2, server): revoking upstream's server certificate.
+        mesh.start(Impl.OURS, Impl.UPSTREAM)
+        assert mesh.exchange(*VIP, payload)[1] == payload
+        write_atomically(crl, pem(signed_crl(ca, [1, _serial_of(mesh, "node2", SERVER_ID)], number=2)))
+        assert _refused_soon(mesh) != "connected"
+        assert _crl_rejections(mesh, "node1", "source") >= 1
+
+        # Upstream (node1, client) to ours (node2, server): revoking upstream's client certificate, then ours.
+        write_atomically(crl, pem(signed_crl(ca, [1], number=3)))
+        mesh.start(Impl.UPSTREAM, Impl.OURS)
+        assert mesh.exchange(*VIP, payload)[1] == payload
+        write_atomically(crl, pem(signed_crl(ca, [_serial_of(mesh, "node1", CLIENT_ID)], number=4)))
+        assert _refused_soon(mesh) != "connected"
+        assert _crl_rejections(mesh, "node2", "destination") >= 1
+        # Only our server revoked now: once both have reloaded (ours within 1 s, upstream's debounce 2 s), upstream
+        # refuses our server in its handshake, and counts it.
+        write_atomically(crl, pem(signed_crl(ca, [_serial_of(mesh, "node2", SERVER_ID)], number=5)))
+        for _ in range(30):
+            mesh.attempt(*VIP)
+            if _crl_rejections(mesh, "node1", "source") >= 1:
+                break
+            time.sleep(0.5)
+        assert _crl_rejections(mesh, "node1", "source") >= 1
+        assert mesh.attempt(*VIP) != "connected"
+        codes = mesh.stop()
+    assert codes == {"node1": 0, "node2": 0}, codes
