@@ -17,8 +17,8 @@ What it does, as upstream:
 
 Watching: the file is polled every :data:`POLL_INTERVAL` seconds (stat of the path, following symlinks, so a
 ConfigMap update, an atomic ``..data`` symlink swap, is seen like an in-place write); upstream debounces inotify
-events for 2 s, so both see a change within about 2 s. A file that stops parsing keeps the previous set (an error
-is logged once per change), rather than dropping all revocations.
+events for 2 s, so both see a change within about 2 s. A file that stops parsing (or that OpenSSL refuses, or that
+is removed) keeps the previous set (an error is logged once per change), rather than dropping all revocations.
 
 Worker processes: each worker runs its own :class:`CrlManager` watching the file. The file is on a local volume
 every worker can read; the TLS contexts and the tunnels to close live in the workers, so pushing the CRL from the
@@ -44,11 +44,14 @@ from ztunnel.errors import ZtunnelError
 
 __all__ = [
     "POLL_INTERVAL",
+    "REPORTER_INBOUND",
+    "REPORTER_OUTBOUND",
     "CrlCounters",
     "CrlError",
     "CrlManager",
     "CrlSet",
     "Tracked",
+    "chain_links",
     "load_crl_file",
     "parse_crls",
 ]
