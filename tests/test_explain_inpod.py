@@ -30,7 +30,7 @@ policies:
 """
 
 
-def with_policy(mesh: str) -> str:
+def with_policy(mesh: str, node_ips: dict[str, str]) -> str:
     """server-b names the WorkloadSelector policy deny-plain, which denies the address of the pod "plain"."""
     found = re.search(r'name: plain,.*?workloadIps: \["([^"]+)"\]', mesh, re.S)
     assert found is not None, mesh

@@ -632,18 +632,23 @@ def test_cluster_trust_bundle_flag_is_checked(helm_sdk: Any) -> None:
         ch.render({"env": {"ENABLE_CLUSTER_TRUST_BUNDLE_API": "yes"}})
 
 
-def test_peer_ca_crl_is_refused(helm_sdk: Any) -> None:
-    """Upstream's peerCaCrl.enabled sets CRL_PATH, which this proxy refuses at startup (revocation is not checked):
-    the chart refuses it with the reason instead of rendering pods that cannot start."""
-    values = {"peerCaCrl": {"enabled": True}}
-    with pytest.raises(helm_sdk.HelmError, match=r"peerCaCrl\.enabled: certificate revocation \(CRL_PATH\)"):
-        ch.render(values)
-    ds = ch.daemonset(ch.render({"peerCaCrl": {"enabled": False}}))
-    assert "CRL_PATH" not in ch.pod_env(ds)
-    assert not [v for v in ds["spec"]["template"]["spec"]["volumes"] if "crl" in v["name"]]
-    # What the chart would have given the proxy is refused there too, with the same reason.
-    with pytest.raises(ztconfig.ConfigError, match=r"CRL_PATH=.* is refused: certificate revocation checking"):
-        ztconfig.from_env({**ch.pod_env(ds), "CRL_PATH": "/var/run/secrets/istio/crl/ca-crl.pem"}, cpu_count=4)
+def test_peer_ca_crl_mounts_the_crl_and_sets_crl_path(helm_sdk: Any) -> None:
+    """peerCaCrl.enabled, as upstream's chart: istiod's istio-ca-crl ConfigMap (optional: absent until istiod
+    publishes it) read-only at /var/run/secrets/istio/crl, and CRL_PATH naming its ca-crl.pem, which the proxy's
+    configuration accepts. Off, neither."""
+    ds = ch.daemonset(ch.render({"peerCaCrl": {"enabled": True}}))
+    env = ch.pod_env(ds)
+    assert env["CRL_PATH"] == "/var/run/secrets/istio/crl/ca-crl.pem"
+    pod = ds["spec"]["template"]["spec"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == "istio-ca-crl"]
+    assert volume["configMap"] == {"name": "istio-ca-crl", "optional": True}
+    [mount] = [m for c in pod["containers"] for m in c["volumeMounts"] if m["name"] == "istio-ca-crl"]
+    assert mount["mountPath"] == "/var/run/secrets/istio/crl" and mount["readOnly"] is True
+    assert os.path.dirname(env["CRL_PATH"]) == mount["mountPath"]
+    assert ztconfig.from_env(env, cpu_count=4).crl_path == env["CRL_PATH"]
+    off = ch.daemonset(ch.render({"peerCaCrl": {"enabled": False}}))
+    assert "CRL_PATH" not in ch.pod_env(off)
+    assert not [v for v in off["spec"]["template"]["spec"]["volumes"] if "crl" in v["name"]]
 
 
 def test_values_reach_the_proxy(helm_sdk: Any) -> None:

@@ -22,13 +22,15 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from tests.identity.certs import build_intermediate, build_leaf
+from tests.identity.certs import build_crl, build_intermediate, build_leaf
+from ztunnel.crl import CrlSet, parse_crls
 from ztunnel.identity import Identity, LocalCA, WorkloadCertificate
 from ztunnel.tls import (
     TLS12_CIPHERS,
     TLS13_CIPHERSUITES,
     AlpnMismatch,
     CaUsedAsEndEntity,
+    CertificateRevoked,
     HandshakeFailed,
     IdentityMismatch,
     MissingPeerCertificate,
@@ -37,6 +39,7 @@ from ztunnel.tls import (
     TrustDomainMismatch,
     client_context,
     handshake_error,
+    peer_chain,
     server_context,
     set_tls13_ciphersuites,
     verify_client_identity,
@@ -617,3 +620,132 @@ def test_handshake_error_translation() -> None:
     assert "15008" in str(handshake_error(ConnectionResetError()))
     already = IdentityMismatch("x")
     assert handshake_error(already) is already
+
+
+# --- certificate revocation (CRL_PATH) ----------------------------------------------------------------------------
+
+
+def crl_set(*crls: x509.CertificateRevocationList) -> CrlSet:
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    return parse_crls(b"".join(c.public_bytes(Encoding.PEM) for c in crls))
+
+
+async def test_revoked_client_certificate_fails_the_handshake_on_the_server(
+    ca: LocalCA, server_cert: WorkloadCertificate
+) -> None:
+    revoked = ca.issue(CLIENT_ID, HOUR)
+    fresh = ca.issue(CLIENT_ID, HOUR)  # same identity, another serial: passes
+    crls = crl_set(build_crl(ca.root_cert, ca.root_key, [revoked.cert.serial_number]))  # type: ignore[arg-type]
+    server = server_context(server_cert, crls=crls)
+    out = await connect(server, client_context(revoked))
+    assert isinstance(out.server_error, ssl.SSLCertVerificationError)
+    assert out.server_error.verify_code == 23  # X509_V_ERR_CERT_REVOKED
+    err = handshake_error(out.server_error)
+    assert isinstance(err, CertificateRevoked) and "revoked" in str(err)
+    assert out.client_error is not None  # the server's alert ends the client's connection
+    (await connect(server, client_context(fresh))).assert_ok()
+
+
+async def test_revoked_server_certificate_fails_the_handshake_on_the_client(
+    ca: LocalCA, client_cert: WorkloadCertificate
+) -> None:
+    revoked = ca.issue(SERVER_ID, HOUR)
+    crls = crl_set(build_crl(ca.root_cert, ca.root_key, [revoked.cert.serial_number]))  # type: ignore[arg-type]
+    out = await connect(server_context(revoked), client_context(client_cert, crls=crls))
+    assert isinstance(out.client_error, ssl.SSLCertVerificationError)
+    assert isinstance(handshake_error(out.client_error), CertificateRevoked)
+    (await connect(server_context(ca.issue(SERVER_ID, HOUR)), client_context(client_cert, crls=crls))).assert_ok()
+
+
+async def test_revoked_intermediate_fails_the_whole_chain(ca: LocalCA, server_cert: WorkloadCertificate) -> None:
+    """webpki checks the whole chain (RevocationCheckDepth::Chain): the root's CRL revoking the intermediate refuses
+    a leaf the intermediate issued, though the intermediate published no CRL of its own (unknown = allowed)."""
+    inter = build_intermediate(ca)
+    leaf = inter.issue(CLIENT_ID, HOUR)
+    client = WorkloadCertificate(
+        cert=leaf.cert, intermediates=[inter.root_cert], roots=[ca.root_cert], private_key=leaf.private_key
+    )
+    ok = crl_set(build_crl(ca.root_cert, ca.root_key, [12345]))  # type: ignore[arg-type]
+    (await connect(server_context(server_cert, crls=ok), client_context(client))).assert_ok()
+    bad = crl_set(build_crl(ca.root_cert, ca.root_key, [inter.root_cert.serial_number]))  # type: ignore[arg-type]
+    out = await connect(server_context(server_cert, crls=bad), client_context(client))
+    assert isinstance(handshake_error(out.server_error or Exception()), CertificateRevoked)
+
+
+async def test_unknown_or_expired_revocation_status_is_allowed(ca: LocalCA, server_cert: WorkloadCertificate) -> None:
+    """Upstream's UnknownStatusPolicy::Allow and ExpirationPolicy::Ignore: a CRL from another CA says nothing about
+    ours (no CRL from our issuer), and a CRL past its nextUpdate still revokes what it lists."""
+    other = LocalCA.generate(TD)
+    unrelated = crl_set(build_crl(other.root_cert, other.root_key, [1, 2, 3]))  # type: ignore[arg-type]
+    (await connect(server_context(server_cert, crls=unrelated), client_context(ca.issue(CLIENT_ID, HOUR)))).assert_ok()
+    revoked = ca.issue(CLIENT_ID, HOUR)
+    stale = build_crl(
+        ca.root_cert,
+        ca.root_key,  # type: ignore[arg-type]
+        [revoked.cert.serial_number],
+        next_update=timedelta(seconds=-30),
+    )
+    out = await connect(server_context(server_cert, crls=crl_set(stale)), client_context(revoked))
+    assert isinstance(handshake_error(out.server_error or Exception()), CertificateRevoked)
+
+
+async def test_crl_signed_by_another_key_revokes_nothing(ca: LocalCA, server_cert: WorkloadCertificate) -> None:
+    """A CRL naming our CA as issuer but signed by another key is refused by OpenSSL (a bad CRL signature), so the
+    handshake fails rather than trusting or ignoring it; the re-check of open connections ignores it too."""
+    forger = LocalCA.generate(TD)
+    victim = ca.issue(CLIENT_ID, HOUR)
+    forged = build_crl(ca.root_cert, forger.root_key, [victim.cert.serial_number])  # type: ignore[arg-type]
+    out = await connect(server_context(server_cert, crls=crl_set(forged)), client_context(victim))
+    assert isinstance(out.server_error, ssl.SSLCertVerificationError)
+    assert out.server_error.verify_code == 8  # X509_V_ERR_CRL_SIGNATURE_FAILURE
+    assert crl_set(forged).revoked([victim.cert, ca.root_cert]) is None
+
+
+async def test_peer_chain_is_the_verified_chain(ca: LocalCA, client_cert: WorkloadCertificate) -> None:
+    inter = build_intermediate(ca)
+    leaf = inter.issue(SERVER_ID, HOUR)
+    server = WorkloadCertificate(
+        cert=leaf.cert, intermediates=[inter.root_cert], roots=[ca.root_cert], private_key=leaf.private_key
+    )
+    seen: list[list[bytes] | None] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=server_context(server))
+    port = srv.sockets[0].getsockname()[1]
+    async with srv:
+        _, writer = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=client_context(client_cert), server_hostname=""
+        )
+        seen.append(peer_chain(writer.get_extra_info("ssl_object")))
+        writer.close()
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    assert seen[0] == [c.public_bytes(Encoding.DER) for c in (leaf.cert, inter.root_cert, ca.root_cert)]
+
+
+# --- COMPLIANCE_POLICY=pqc ----------------------------------------------------------------------------------------
+
+
+def test_pqc_refusal_states_what_was_checked() -> None:
+    """The ssl module's OpenSSL is asked for the X25519MLKEM768 group (SSL_CTX_set1_groups_list); it accepts the
+    classical groups, so the probe itself works, and the refusal names both OpenSSLs and the reason."""
+    from cryptography.hazmat.backends.openssl import backend
+
+    from ztunnel.config import ConfigError, from_env, pqc_refusal
+    from ztunnel.tls import PQC_GROUP, key_exchange_group_supported
+
+    assert key_exchange_group_supported("X25519") and key_exchange_group_supported("P-256")
+    assert not key_exchange_group_supported("no-such-group")
+    supported = key_exchange_group_supported(PQC_GROUP)
+    assert supported == (ssl.OPENSSL_VERSION_INFO >= (3, 5))
+    message = pqc_refusal()
+    assert ssl.OPENSSL_VERSION in message
+    if not supported:
+        assert "does not know the X25519MLKEM768 group" in message
+        assert backend.openssl_version_text() in message and "pyOpenSSL cannot set" in message
+    with pytest.raises(ConfigError) as e:
+        from_env({"COMPLIANCE_POLICY": "pqc"}, cpu_count=2)
+    assert str(e.value) == message

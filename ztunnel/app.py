@@ -23,6 +23,7 @@ from prometheus_client.samples import Sample
 from ztunnel import thirdparty
 from ztunnel.admin import AdminServer
 from ztunnel.config import Config, ProxyMode
+from ztunnel.crl import CrlError, CrlManager
 from ztunnel.dns.metrics import Metrics as DnsMetrics
 from ztunnel.drain import Drain, DrainMode
 from ztunnel.errors import ZtunnelError
@@ -34,12 +35,13 @@ from ztunnel.proxy import Proxy
 from ztunnel.proxy.common import TlsContextCache
 from ztunnel.proxy.connection_manager import ConnectionRecord, connections_dump
 from ztunnel.proxy.inputs import LocalWorkload, OnDemand
-from ztunnel.proxy.metrics import TrafficMetrics, flush_periodically
-from ztunnel.proxyfactory import PodProxies, ProxyFactory
+from ztunnel.proxy.metrics import CrlMetrics, TrafficMetrics, flush_periodically
+from ztunnel.proxyfactory import PodProxies, ProxyFactory, SelfProxy, crl_manager
 from ztunnel.readiness import BlockReady, Readiness, ReadinessServer
 from ztunnel.state import ProxyState
 from ztunnel.state.workload import NetworkAddress
 from ztunnel.tasks import TaskGroup
+from ztunnel.tls import check_crls
 from ztunnel.workers.prefork import Preforked
 from ztunnel.workers.supervisor import PodFanout, RemotePod, Supervisor, WorkerStartError
 
@@ -77,6 +79,7 @@ class App:
     inpod_state: Any = None
     dns_proxy: Any = None
     inpod_task: Any = None
+    self_proxy: SelfProxy | None = None  # shared mode: ztunnel's own inbound (POD_NAME/...), inline data plane
 
     supervisor: Supervisor | None = None  # the worker processes (None: ZTUNNEL_INLINE_DATA_PLANE=true)
     prefork: Preforked | None = None  # the first workers, forked by the CLI before any thread existed
@@ -84,6 +87,7 @@ class App:
     def __post_init__(self) -> None:
         self.registry = Registry(self.config.istio_version)
         self.traffic = TrafficMetrics(self.registry)
+        self.crl_metrics = CrlMetrics(self.registry)  # registered always, as upstream; counted where CRLs are checked
         self.registry.dynamic.append(self._xds_metrics)
         # The DNS metrics are prometheus-client objects in a registry of their own, written out with ours on 15020;
         # one set for the process, shared by every DNS proxy (upstream creates dns::Metrics once in app.rs). With
@@ -136,6 +140,14 @@ class App:
             self.xds_client = client
             self.tasks.spawn(client.run(), "xds client")
         self.certs = self._certificate_provider()
+        if self.config.crl_path is not None:
+            try:  # checked here so a broken CRL_PATH fails the start with the file and block named
+                crls = CrlManager.start(self.config.crl_path, None, check_crls).current
+            except CrlError as e:
+                raise StartupError(str(e)) from None
+            log.info(
+                "CRL_PATH=%s: %d CRL(s); revoked peer certificates are refused", self.config.crl_path, len(crls.crls)
+            )
         if not self.config.inline_data_plane:
             await self._start_workers(state_ready)
             await self._start_admin()
@@ -144,7 +156,7 @@ class App:
             self.config,
             self.state,
             self.certs,
-            TlsContextCache(self.config.tls12_enabled),
+            TlsContextCache(self.config.tls12_enabled, crl_manager(self.config, self.crl_metrics, self.tasks)),
             self.traffic,
             self.dns_metrics,
             on_demand=self._on_demand(),
@@ -165,6 +177,9 @@ class App:
                 await self.proxy.start()
                 proxy_ready.release()
         elif self.config.proxy_mode is ProxyMode.SHARED:
+            self.self_proxy = self.factory.self_proxy(self.drain)
+            if self.self_proxy is not None:
+                await self.self_proxy.start()
             self._start_inpod(state_ready, self.factory)
         # Bytes of long-lived connections reach the counters every 5 s, for every proxy (in-pod: every pod's).
         self.tasks.spawn(flush_periodically(self._all_connections, self.traffic), "metrics flush")
@@ -270,7 +285,8 @@ class App:
         return out
 
     def _all_connections(self) -> list[ConnectionRecord]:
-        return [r for p in self._proxies() for r in p.pi.connections]
+        own = list(self.self_proxy.pi.connections) if self.self_proxy is not None else []
+        return [r for p in self._proxies() for r in p.pi.connections] + own
 
     def _connections(self) -> list[dict[str, Any]]:
         """The admin ``/connections`` list: every proxy's open connections as JSON."""
@@ -395,6 +411,8 @@ class App:
                     self.drain.force()
                 proxy.force_close()
             await proxy.pi.tasks.cancel_all(timeout=1.0)
+        if self.self_proxy is not None:
+            await self.self_proxy.stop(not self.drain.forced, deadline)
         if self.inpod_state is not None:
             if self.inpod_task is not None:
                 self.inpod_task.cancel()  # stop talking ZDS first: no new pods during the drain

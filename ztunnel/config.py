@@ -742,15 +742,9 @@ def from_env(
     if compliance not in (None, "pqc"):
         raise e.error("COMPLIANCE_POLICY", compliance, "expected pqc or unset")
     if compliance == "pqc":
-        raise ConfigError(_compliance_refusal())
+        raise ConfigError(pqc_refusal())
+    # Loaded and watched by ztunnel.crl (each data-plane process); a file that does not parse fails the start.
     crl_path = env.get("CRL_PATH") or None
-    if crl_path is not None:
-        # Revocation is not checked yet (issue 19). A revocation list silently ignored would let revoked peer
-        # certificates in (fail-open), so the setting is refused rather than accepted.
-        raise ConfigError(
-            f"CRL_PATH={crl_path!r} is refused: certificate revocation checking is not implemented, and ignoring the "
-            "list would accept revoked peer certificates; unset CRL_PATH (Helm: peerCaCrl.enabled=false)"
-        )
 
     stream_window = e.integer(
         "HTTP2_STREAM_WINDOW_SIZE", DEFAULT_HTTP2_STREAM_WINDOW_SIZE, minimum=1, maximum=2**31 - 1
@@ -886,17 +880,38 @@ def _no_effect_warnings(e: _Env) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _compliance_refusal() -> str:
-    """Why ``COMPLIANCE_POLICY=pqc`` is refused, naming the TLS library in use.
+PQC_GROUP = "X25519MLKEM768"
 
-    The policy allows only the X25519MLKEM768 key exchange. The data path's TLS is Python's ssl module: OpenSSL has
-    ML-KEM from 3.5 on, but the ssl module (3.11) can only pick one classical ECDH curve, not a key-exchange group
-    list, so the policy cannot be applied even then; accepting it would silently negotiate classical key exchange.
+
+def pqc_refusal() -> str:
+    """Why ``COMPLIANCE_POLICY=pqc`` (key exchange X25519MLKEM768 only, as upstream) is refused, with the facts.
+
+    The data path's TLS is the ``ssl`` module, whose OpenSSL must know the group: ML-KEM came in OpenSSL 3.5
+    (``ztunnel.tls.key_exchange_group_supported`` asks libssl itself; a test holds it to this version rule). The
+    OpenSSL that ``cryptography`` and pyOpenSSL bundle has ML-KEM, but is not usable for the data path: pyOpenSSL
+    can set neither a group list nor anything but a classical ECDH curve, and the bundled libssl is linked in
+    without exported symbols.
     """
+    try:
+        from cryptography.hazmat.backends.openssl import backend
+
+        bundled = backend.openssl_version_text()
+    except Exception:  # pragma: no cover - cryptography is a dependency
+        bundled = "unknown"
+    if ssl.OPENSSL_VERSION_INFO >= (3, 5):
+        why = (
+            f"{ssl.OPENSSL_VERSION} (Python's ssl module) knows {PQC_GROUP}, but this ztunnel does not yet restrict "
+            "the key exchange to it"
+        )
+    else:
+        why = (
+            f"the data path's TLS is Python's ssl module, linked with {ssl.OPENSSL_VERSION}, which does not know the "
+            f"{PQC_GROUP} group (ML-KEM key exchange needs OpenSSL 3.5 or later); the {bundled} bundled by "
+            "cryptography/pyOpenSSL has ML-KEM, but pyOpenSSL cannot set a context's key-exchange groups"
+        )
     return (
-        f"COMPLIANCE_POLICY=pqc is refused: it requires the X25519MLKEM768 key exchange only, which this ztunnel's "
-        f"TLS ({ssl.OPENSSL_VERSION}, through Python's ssl module) cannot be restricted to; accepting it would "
-        "negotiate classical key exchange"
+        f"COMPLIANCE_POLICY=pqc is refused: upstream allows only the {PQC_GROUP} key exchange, and {why}. Accepting it "
+        "would negotiate classical (X25519/ECDHE) key exchange; unset COMPLIANCE_POLICY"
     )
 
 
@@ -1011,16 +1026,9 @@ SETTINGS: tuple[Setting, ...] = (
         warns_when={"LOCALHOST_APP_TUNNEL": "false"},
     ),
     Setting(("ENABLE_RESPONSE_BAGGAGE",), ("enable_response_baggage",)),
-    # Security: revocation is not checked (issue 19); a revocation list silently ignored would accept revoked peer
-    # certificates, so it is refused.
-    Setting(
-        ("CRL_PATH",),
-        ("crl_path",),
-        Support.REFUSED,
-        refused_when={"CRL_PATH": "/var/run/secrets/istio/crl/ca-crl.pem"},
-    ),
+    Setting(("CRL_PATH",), ("crl_path",)),
     Setting(("TLS12_ENABLED",), ("tls12_enabled",)),
-    # Security: pqc would silently negotiate classical key exchange here (see _compliance_refusal).
+    # Security: pqc would silently negotiate classical key exchange here (see pqc_refusal).
     Setting(
         ("COMPLIANCE_POLICY",),
         ("compliance_policy",),

@@ -7,27 +7,53 @@ the certificate provider, TLS context cache and metrics of the process.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ztunnel.config import Config, WorkloadInfo
+from ztunnel import tls
+from ztunnel.config import Config, ProxyMode, WorkloadInfo
+from ztunnel.crl import CrlCounters, CrlManager
 from ztunnel.dns import DnsProxy
 from ztunnel.dns.metrics import Metrics as DnsMetrics
 from ztunnel.drain import Drain, DrainMode
 from ztunnel.identity.manager import CertificateProvider
 from ztunnel.inpod.netns import InPodSocketFactory, Netns, NetnsId
+from ztunnel.net import format_addr
 from ztunnel.proxy import Proxy
 from ztunnel.proxy.common import TlsContextCache
-from ztunnel.proxy.connection_manager import ConnectionManager
+from ztunnel.proxy.connection_manager import Authorizer, ConnectionManager, PolicyWatcher
+from ztunnel.proxy.inbound import Inbound
 from ztunnel.proxy.inputs import InboundBalance, LocalWorkload, OnDemand, ProxyInputs
 from ztunnel.proxy.metrics import TrafficMetrics
 from ztunnel.proxy.pool import WorkloadHBONEPool
 from ztunnel.sockets import SocketConfig, SocketFactory
 from ztunnel.state import ProxyState
+from ztunnel.tasks import TaskGroup
 
 log = logging.getLogger("ztunnel.proxyfactory")
+
+
+def crl_manager(
+    config: Config, metrics: CrlCounters | None, tasks: TaskGroup, *, strict: bool = True
+) -> CrlManager | None:
+    """The process's CRL manager when ``CRL_PATH`` is set (upstream builds it in ``ProxyFactory::new``), watching
+    the file in a task of ``tasks`` (cancelled with them at shutdown).
+
+    ``strict``: raise :class:`ztunnel.crl.CrlError` when the file exists and does not parse (the start fails with
+    the file and the block named; stricter than upstream, which then logs a warning and checks no revocation at
+    all). A worker process, started after the control process checked the file, is not strict: should the file
+    break in between, it logs the error and loads the file as soon as it parses again.
+    """
+    if config.crl_path is None:
+        return None
+    path = config.crl_path
+    manager = (CrlManager.start if strict else CrlManager.lenient)(path, metrics, tls.check_crls)
+    tasks.spawn(manager.poll(), "crl watch")
+    return manager
 
 
 @dataclass
@@ -61,8 +87,17 @@ class ProxyFactory:
         )
 
     def inputs(
-        self, info: WorkloadInfo, sockets: SocketFactory, drain: Drain, pod: tuple[str, NetnsId] | None = None
+        self,
+        info: WorkloadInfo,
+        sockets: SocketFactory,
+        drain: Drain,
+        pod: tuple[str, NetnsId] | None = None,
+        *,
+        balanced: bool = True,
     ) -> ProxyInputs:
+        connections = ConnectionManager(self.traffic)
+        pool = WorkloadHBONEPool(self.config, self.certs, sockets, self.contexts)
+        pool.on_revoked = connections.revoke_tunnel  # CRL_PATH: streams on a revoked connection end CERT_REVOKED
         return ProxyInputs(
             config=self.config,
             state=self.state,
@@ -71,10 +106,10 @@ class ProxyFactory:
             local=LocalWorkload(self.state, info),
             drain=drain,
             contexts=self.contexts,
-            pool=WorkloadHBONEPool(self.config, self.certs, sockets, self.contexts),
-            connections=ConnectionManager(self.traffic),
+            pool=pool,
+            connections=connections,
             on_demand=self.on_demand,
-            balance=self.balance(pod) if self.balance is not None else None,
+            balance=self.balance(pod) if self.balance is not None and balanced else None,
         )
 
     def socket_config(self) -> SocketConfig:
@@ -83,6 +118,21 @@ class ProxyFactory:
 
     def host_sockets(self) -> SocketFactory:
         return SocketFactory(self.socket_config())
+
+    def self_proxy(self, drain: Drain) -> SelfProxy | None:
+        """ztunnel's own inbound (upstream ``create_ztunnel_self_proxy_listener``): in shared mode, when the downward
+        API gave ztunnel its pod name, namespace and service account (``POD_NAME``, ``POD_NAMESPACE``,
+        ``SERVICE_ACCOUNT``; identity in ``TRUST_DOMAIN``), an HBONE listener on ``inbound_addr`` in ztunnel's own
+        network namespace that serves ztunnel's workload: a mesh client (a captured Prometheus) reaches ztunnel's own
+        ports (15020 metrics) over mTLS, under the policies that select ztunnel's pod. None otherwise."""
+        cfg = self.config
+        if cfg.proxy_mode is not ProxyMode.SHARED or not cfg.enable_proxy or cfg.ztunnel_identity is None:
+            return None
+        assert cfg.pod_name and cfg.pod_namespace and cfg.service_account  # ztunnel_identity says so
+        info = WorkloadInfo(cfg.pod_name, cfg.pod_namespace, cfg.service_account)
+        # Not balanced over the workers (each worker's listener shares the port, and the kernel spreads them).
+        pi = self.inputs(info, self.host_sockets(), drain, balanced=False)
+        return SelfProxy(pi)
 
     def dedicated(self, info: WorkloadInfo, drain: Drain) -> Proxy:
         return Proxy(self.inputs(info, self.host_sockets(), drain))
@@ -104,6 +154,50 @@ class ProxyFactory:
             raise
         log.info("proxy for %s/%s started in %s", info.namespace, info.name, netns)
         return PodProxies(uid, info, netns.id, proxy, self.config.self_termination_deadline, dns)
+
+
+class SelfProxy:
+    """ztunnel's own HBONE inbound (see :meth:`ProxyFactory.self_proxy`): the inbound listener alone, with its
+    policy re-checks. Upstream's ``disable_inbound_freebind``: it is never transparent, so it connects to ztunnel's
+    own servers from its own address, not the client's."""
+
+    def __init__(self, pi: ProxyInputs) -> None:
+        self.pi = pi
+        authorize = Authorizer(pi.state, pi.config.authz_policy_info_logging)
+        self.policy_watcher = PolicyWatcher(pi.state, pi.connections, authorize)
+        self.inbound = Inbound(pi, authorize)
+        # Not a captured listener: no IP_TRANSPARENT (never spoofs the client toward ztunnel's own ports).
+        self.inbound.captured = False
+
+    async def start(self) -> None:
+        await self.inbound.start()
+        self.policy_watcher.start()
+        log.info(
+            "ztunnel self-proxy listener (identity %s) on %s",
+            self.pi.config.ztunnel_identity,
+            format_addr(*self.inbound.address),
+        )
+
+    async def stop(self, graceful: bool, deadline: float) -> None:
+        """Stop accepting; GOAWAY the open connections; close what is left at ``deadline`` (or now)."""
+        pi = self.pi
+        self.policy_watcher.stop()
+        self.inbound.stop()
+        self.inbound.drain()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + (deadline if graceful else 0)
+        while (len(pi.connections) or self.inbound.connections) and not pi.drain.forced:
+            left = end - loop.time()
+            if left <= 0:
+                break
+            # As Proxy.wait_idle: poll the cheap counts every 50 ms, but wake at once when the drain is forced.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(pi.drain.wait_forced(), min(left, 0.05))
+        pi.connections.close_all()
+        for conn in list(self.inbound.connections):
+            conn.abort("ztunnel is shutting down")
+        pi.local.close()
+        await pi.tasks.cancel_all(timeout=1.0)
 
 
 @dataclass

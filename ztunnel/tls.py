@@ -34,6 +34,7 @@ from typing import Final
 
 from cryptography import x509
 
+from ztunnel.crl import CrlSet
 from ztunnel.errors import ZtunnelError
 from ztunnel.identity.certificate import WorkloadCertificate, identities_from_cert
 from ztunnel.identity.spiffe import Identity
@@ -44,14 +45,19 @@ __all__ = [
     "TLS13_CIPHERSUITES",
     "AlpnMismatch",
     "CaUsedAsEndEntity",
+    "CertificateRevoked",
     "HandshakeFailed",
     "IdentityMismatch",
     "MissingPeerCertificate",
     "TlsConfigError",
     "TlsError",
     "TrustDomainMismatch",
+    "check_crls",
     "client_context",
     "handshake_error",
+    "key_exchange_group_supported",
+    "load_crls",
+    "peer_chain",
     "peer_identities",
     "server_context",
     "set_tls13_ciphersuites",
@@ -96,6 +102,10 @@ class CaUsedAsEndEntity(HandshakeFailed):
     A handshake failure (flag ``TLS_FAILURE``), as upstream, where webpki refuses it inside the handshake."""
 
 
+class CertificateRevoked(HandshakeFailed):
+    """The peer's chain holds a certificate a CRL of ``CRL_PATH`` revokes (OpenSSL's ``X509_V_ERR_CERT_REVOKED``)."""
+
+
 class MissingPeerCertificate(TlsError):
     """The peer presented no certificate."""
 
@@ -119,13 +129,16 @@ class AlpnMismatch(TlsError):
 # --- contexts -------------------------------------------------------------------------------------------------
 
 
-def server_context(cert: WorkloadCertificate, *, tls12_enabled: bool = False) -> ssl.SSLContext:
-    """A server context presenting ``cert`` and requiring a client certificate that chains to ``cert.roots``.
+def server_context(
+    cert: WorkloadCertificate, *, tls12_enabled: bool = False, crls: CrlSet | None = None
+) -> ssl.SSLContext:
+    """A server context presenting ``cert`` and requiring a client certificate that chains to ``cert.roots``
+    (and, with ``crls``, that no certificate of its chain is revoked: see :func:`load_crls`).
 
     After the handshake, call :func:`verify_client_identity` with the server's own trust domain.
     """
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    _configure_common(ctx, cert, tls12_enabled=tls12_enabled)
+    _configure_common(ctx, cert, tls12_enabled=tls12_enabled, crls=crls)
     ctx.verify_mode = ssl.CERT_REQUIRED
     # No resumption: no TLS 1.3 tickets (num_tickets), no TLS 1.2 tickets (OP_NO_TICKET, set in
     # _configure_common) and no TLS 1.2 session-ID cache.
@@ -134,8 +147,10 @@ def server_context(cert: WorkloadCertificate, *, tls12_enabled: bool = False) ->
     return ctx
 
 
-def client_context(cert: WorkloadCertificate, *, tls12_enabled: bool = False) -> ssl.SSLContext:
-    """A client context presenting ``cert`` and verifying the server chain against ``cert.roots``.
+def client_context(
+    cert: WorkloadCertificate, *, tls12_enabled: bool = False, crls: CrlSet | None = None
+) -> ssl.SSLContext:
+    """A client context presenting ``cert`` and verifying the server chain against ``cert.roots`` (and ``crls``).
 
     Connect with ``server_hostname=""`` (asyncio) or ``server_hostname=None`` (``wrap_bio``/``wrap_socket``) so
     that no SNI is sent, and never pass a ``session``: HBONE does not resume. After the handshake, call
@@ -144,11 +159,13 @@ def client_context(cert: WorkloadCertificate, *, tls12_enabled: bool = False) ->
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False  # must precede verify_mode changes; identities are checked on URI SANs instead
     ctx.verify_mode = ssl.CERT_REQUIRED
-    _configure_common(ctx, cert, tls12_enabled=tls12_enabled)
+    _configure_common(ctx, cert, tls12_enabled=tls12_enabled, crls=crls)
     return ctx
 
 
-def _configure_common(ctx: ssl.SSLContext, cert: WorkloadCertificate, *, tls12_enabled: bool) -> None:
+def _configure_common(
+    ctx: ssl.SSLContext, cert: WorkloadCertificate, *, tls12_enabled: bool, crls: CrlSet | None
+) -> None:
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2 if tls12_enabled else ssl.TLSVersion.TLSv1_3
     ctx.maximum_version = ssl.TLSVersion.TLSv1_3
     # OP_NO_TICKET: no TLS 1.2 tickets; OP_NO_RENEGOTIATION: rustls never renegotiates either.
@@ -163,7 +180,68 @@ def _configure_common(ctx: ssl.SSLContext, cert: WorkloadCertificate, *, tls12_e
     # as webpki treats its root store, so a bundle holding an intermediate still works.
     ctx.load_verify_locations(cadata=cert.roots_pem())
     ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    if crls is not None and not crls.empty:
+        load_crls(ctx, crls)
     _load_chain_from_memory(ctx, cert)
+
+
+# X509_V_ERR_* codes that mean "revocation status unknown": no CRL from this certificate's issuer (3), no issuer
+# certificate for a CRL (33), a CRL of another scope (44), a CRL not yet or no longer valid (11, 12). webpki, as
+# upstream configures it (UnknownStatusPolicy::Allow, ExpirationPolicy::Ignore), accepts the certificate then.
+_UNKNOWN_REVOCATION_STATUS: Final = frozenset({3, 11, 12, 33, 44})
+
+
+def load_crls(ctx: ssl.SSLContext, crls: CrlSet) -> None:
+    """Make OpenSSL refuse a peer chain holding a certificate that ``crls`` revokes, as upstream's webpki does.
+
+    ``VERIFY_CRL_CHECK_CHAIN`` checks every certificate of the chain, and would refuse a certificate whose issuer
+    published no CRL; upstream allows unknown status. The stdlib has no verify callback, so one is set on the
+    context's certificate store through libcrypto (``X509_STORE_set_verify_cb``; a store callback survives the
+    ``ssl`` module resetting the SSL_CTX's own callback when ``verify_mode`` is set): it clears exactly the
+    unknown-status errors and nothing else. The CRLs go in like ``load_verify_locations(cafile=)`` reads them
+    (``cadata`` takes certificates only), from an anonymous memfd.
+    """
+    pointer = _ssl_ctx_pointer(ctx)
+    lib = _libssl()
+    store = lib.SSL_CTX_get_cert_store(pointer)
+    if not store:
+        raise TlsConfigError("cannot reach the OpenSSL certificate store to load CRLs")
+    fd = os.memfd_create("ztunnel-crl", os.MFD_CLOEXEC)
+    try:
+        view = memoryview(crls.pem)
+        while view:
+            view = view[os.write(fd, view) :]
+        try:
+            ctx.load_verify_locations(cafile=f"/proc/self/fd/{fd}")
+        except ssl.SSLError as e:
+            raise TlsConfigError(f"OpenSSL cannot load the CRLs from CRL_PATH: {e}") from e
+    finally:
+        os.close(fd)
+    lib.X509_STORE_set_verify_cb(store, _crl_verify_cb)
+    ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_CHAIN
+
+
+def check_crls(crls: CrlSet) -> None:
+    """Raise :class:`TlsConfigError` if OpenSSL cannot load ``crls`` into a context (checked when the file is
+    loaded, so a handshake never meets it)."""
+    load_crls(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), crls)
+
+
+_VERIFY_CB = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+
+
+def _allow_unknown_revocation_status(ok: int, store_ctx: int | None) -> int:
+    if ok:
+        return 1
+    lib = _libssl()
+    if lib.X509_STORE_CTX_get_error(store_ctx) in _UNKNOWN_REVOCATION_STATUS:
+        lib.X509_STORE_CTX_set_error(store_ctx, 0)  # X509_V_OK: the handshake's verify result stays clean
+        return 1
+    return 0
+
+
+# Module level: OpenSSL keeps the bare function pointer, so the ctypes object must live as long as the process.
+_crl_verify_cb: Final = _VERIFY_CB(_allow_unknown_revocation_status)
 
 
 def _load_chain_from_memory(ctx: ssl.SSLContext, cert: WorkloadCertificate) -> None:
@@ -206,6 +284,14 @@ def _libssl() -> ctypes.CDLL:
     lib.SSL_CTX_get_options.restype = ctypes.c_uint64
     lib.SSL_CTX_ctrl.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p]
     lib.SSL_CTX_ctrl.restype = ctypes.c_long
+    lib.SSL_CTX_get_cert_store.argtypes = [ctypes.c_void_p]
+    lib.SSL_CTX_get_cert_store.restype = ctypes.c_void_p
+    lib.X509_STORE_set_verify_cb.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.X509_STORE_set_verify_cb.restype = None
+    lib.X509_STORE_CTX_get_error.argtypes = [ctypes.c_void_p]
+    lib.X509_STORE_CTX_get_error.restype = ctypes.c_int
+    lib.X509_STORE_CTX_set_error.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.X509_STORE_CTX_set_error.restype = None
     return lib
 
 
@@ -243,6 +329,23 @@ def set_tls13_ciphersuites(ctx: ssl.SSLContext, suites: Sequence[str]) -> None:
         raise TlsConfigError(
             f"TLS 1.3 cipher suites are {active} after setting {list(suites)}; refusing to use this context"
         )
+
+
+# SSL_CTRL_SET_GROUPS_LIST (ssl.h): what SSL_CTX_set1_groups_list() expands to.
+_SSL_CTRL_SET_GROUPS_LIST: Final = 92
+PQC_GROUP: Final = "X25519MLKEM768"
+
+
+def key_exchange_group_supported(group: str = PQC_GROUP) -> bool:
+    """Whether the libssl behind the ``ssl`` module accepts ``group`` as a key-exchange group list (asked of a
+    scratch context through ``SSL_CTX_set1_groups_list``): X25519MLKEM768 needs OpenSSL 3.5 or later, the version
+    :func:`ztunnel.config.pqc_refusal` goes by (a test holds the two to agree)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        pointer = _ssl_ctx_pointer(ctx)
+    except TlsConfigError:
+        return False
+    return bool(_libssl().SSL_CTX_ctrl(pointer, _SSL_CTRL_SET_GROUPS_LIST, 0, group.encode("ascii")) == 1)
 
 
 def _disable_server_session_cache(ctx: ssl.SSLContext) -> None:
@@ -293,6 +396,31 @@ def peer_identities(ssl_obj: PeerSsl, role: str = "peer") -> list[Identity]:
     leaf = _peer_leaf(ssl_obj)
     _check_end_entity(leaf, role)
     return identities_from_cert(leaf)
+
+
+def peer_chain(ssl_obj: PeerSsl) -> list[bytes] | None:
+    """The peer chain OpenSSL verified (DER, leaf first, ending at the trust anchor), or None if unknown.
+
+    Python 3.13 has ``SSLObject.get_verified_chain()``; 3.10 to 3.12 have the same method on the private
+    ``_sslobj``, which is what this reads there."""
+    getter = getattr(ssl_obj, "get_verified_chain", None)
+    if getter is None:
+        getter = getattr(getattr(ssl_obj, "_sslobj", None), "get_verified_chain", None)
+    if getter is None:
+        return None
+    try:
+        chain = getter()
+    except (ssl.SSLError, ValueError, AttributeError):
+        return None
+    if not chain:
+        return None
+    return [c if isinstance(c, bytes) else c.public_bytes(_ssl_der()) for c in chain]
+
+
+def _ssl_der() -> int:
+    import _ssl
+
+    return int(getattr(_ssl, "ENCODING_DER", 2))
 
 
 def _check_alpn(ssl_obj: PeerSsl) -> None:
@@ -360,8 +488,10 @@ _VERIFY_HINTS: Final[dict[int, str]] = {
     18: "the peer certificate is self-signed and not a trusted root: check that both sides use the same mesh CA",
     19: "the peer chain ends at an untrusted root: check that both sides use the same mesh CA (root bundle)",
     20: "the peer certificate does not chain to our roots: check that both sides use the same mesh CA",
+    23: "the peer certificate is revoked (a CRL in CRL_PATH lists it or a CA of its chain)",
     26: "the peer certificate lacks the required extended key usage (serverAuth/clientAuth)",
 }
+X509_V_ERR_CERT_REVOKED: Final = 23
 
 # OpenSSL reason codes: the local failure, or the alert the peer sent us about our side.
 _REASON_HINTS: Final[dict[str, str]] = {
@@ -379,6 +509,7 @@ _REASON_HINTS: Final[dict[str, str]] = {
     "SSLV3_ALERT_CERTIFICATE_EXPIRED": "the peer says our certificate has expired: check certificate rotation",
     "SSLV3_ALERT_BAD_CERTIFICATE": "the peer rejected our certificate: check its CA, validity and key usage",
     "SSLV3_ALERT_UNSUPPORTED_CERTIFICATE": "the peer rejected our certificate's key usage (serverAuth/clientAuth)",
+    "SSLV3_ALERT_CERTIFICATE_REVOKED": "the peer says our certificate is revoked (its CRL lists it)",
 }
 
 
@@ -391,7 +522,8 @@ def handshake_error(exc: BaseException) -> TlsError:
         return exc
     if isinstance(exc, ssl.SSLCertVerificationError):
         hint = _VERIFY_HINTS.get(exc.verify_code, "the peer certificate failed verification")
-        return HandshakeFailed(f"TLS handshake failed: {hint} ({exc.verify_message})")
+        kind = CertificateRevoked if exc.verify_code == X509_V_ERR_CERT_REVOKED else HandshakeFailed
+        return kind(f"TLS handshake failed: {hint} ({exc.verify_message})")
     if isinstance(exc, ssl.SSLError):
         hint = _REASON_HINTS.get(exc.reason or "", "TLS error")
         return HandshakeFailed(f"TLS handshake failed: {hint} ({exc.reason or exc})")

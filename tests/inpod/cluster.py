@@ -172,10 +172,12 @@ async def running_cluster(
     tmp_path: Path,
     dns: bool,
     extra_env: dict[str, str] | None = None,
-    mesh_edit: Callable[[str], str] | None = None,
+    *,
+    node_env: dict[str, dict[str, str]] | None = None,
+    mesh_edit: Callable[[str, dict[str, str]], str] | None = None,
 ) -> AsyncIterator[Cluster]:
-    """The cluster with its two ztunnels (``extra_env``: more of their environment; ``mesh_edit`` rewrites the
-    mesh's local config, addresses filled in, before they start)."""
+    """The cluster with its two ztunnels (``extra_env``: more of their environment; ``node_env``: more of one node's;
+    ``mesh_edit``: rewrites the mesh config's YAML, given each node's IP)."""
     pods = {
         "client": topo.pod("node1", "client"),
         "server-a": topo.pod("node1", "server_a"),
@@ -187,7 +189,9 @@ async def running_cluster(
     mesh = MESH.format(
         client=pods["client"].ip, server_a=pods["server-a"].ip, server_b=pods["server-b"].ip, plain=pods["plain"].ip
     )
-    config.write_text(mesh_edit(mesh) if mesh_edit is not None else mesh)
+    if mesh_edit is not None:
+        mesh = mesh_edit(mesh, {name: str(node.ip) for name, node in nodes.items()})
+    config.write_text(mesh)
     c = Cluster(topo, tmp_path, pods, nodes)
     listeners = _servers(topo, pods)
     enrolled = {"node1": ["client", "server-a"], "node2": ["server-b"]}  # "plain" stays out of the mesh
@@ -223,6 +227,7 @@ async def running_cluster(
                 "ISTIO_META_DNS_CAPTURE": "true" if dns else "false",
                 "CONNECTION_TERMINATION_DEADLINE": "2s",
                 **(extra_env or {}),
+                **(node_env or {}).get(node, {}),
             }
             with open(c.logs[node], "wb") as log:  # noqa: ASYNC230 - set-up, before any traffic
                 c.ztunnels[node] = nodes[node].popen(

@@ -267,7 +267,8 @@ async def test_calls_to_ztunnel_ports_are_refused(cluster: Cluster) -> None:
     }
     uncaptured = {
         # Upstream expects a Request failure on the node's 15008 because its test ztunnel has the "self" HBONE
-        # listener (POD_NAME/POD_NAMESPACE/SERVICE_ACCOUNT set); ours has none, so nothing listens there.
+        # listener (POD_NAME/POD_NAMESPACE/SERVICE_ACCOUNT set); these ztunnels are not given those, so nothing
+        # listens there (with them: tests/test_proxyfactory.py::test_hbone_metrics_access_namespaced).
         **{(zt, p): CONNECTION for p in (15001, 15006, 15008, 15080, 15000)},
         (zt, 15020): HTTP,
         (zt, 15021): HTTP,

@@ -11,6 +11,7 @@ import ssl
 from collections.abc import Sequence
 
 from ztunnel import tls
+from ztunnel.crl import CrlManager
 from ztunnel.errors import ZtunnelError
 from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.spiffe import Identity
@@ -120,25 +121,33 @@ def new_traceparent() -> str:
 
 
 class TlsContextCache:
-    """SSL contexts per certificate: building one loads the chain and key (~0.3 ms), so do it once per cert."""
+    """SSL contexts per certificate: building one loads the chain and key (~0.3 ms), so do it once per cert.
 
-    def __init__(self, tls12_enabled: bool = False) -> None:
+    With ``crl`` (CRL_PATH) a context is also rebuilt when a new CRL set is loaded (its generation moved), since
+    OpenSSL cannot take a CRL back out of a context's store."""
+
+    def __init__(self, tls12_enabled: bool = False, crl: CrlManager | None = None) -> None:
         self.tls12_enabled = tls12_enabled
-        self._client: dict[Identity, tuple[WorkloadCertificate, ssl.SSLContext]] = {}
-        self._server: dict[Identity, tuple[WorkloadCertificate, ssl.SSLContext]] = {}
+        self.crl = crl
+        self._client: dict[Identity, tuple[WorkloadCertificate, int, ssl.SSLContext]] = {}
+        self._server: dict[Identity, tuple[WorkloadCertificate, int, ssl.SSLContext]] = {}
 
     def client(self, identity: Identity, cert: WorkloadCertificate) -> ssl.SSLContext:
+        crl = self.crl
+        gen = crl.generation if crl is not None else 0
         hit = self._client.get(identity)
-        if hit is not None and hit[0] is cert:
-            return hit[1]
-        ctx = tls.client_context(cert, tls12_enabled=self.tls12_enabled)
-        self._client[identity] = (cert, ctx)
+        if hit is not None and hit[0] is cert and hit[1] == gen:
+            return hit[2]
+        ctx = tls.client_context(cert, tls12_enabled=self.tls12_enabled, crls=crl.current if crl else None)
+        self._client[identity] = (cert, gen, ctx)
         return ctx
 
     def server(self, identity: Identity, cert: WorkloadCertificate) -> ssl.SSLContext:
+        crl = self.crl
+        gen = crl.generation if crl is not None else 0
         hit = self._server.get(identity)
-        if hit is not None and hit[0] is cert:
-            return hit[1]
-        ctx = tls.server_context(cert, tls12_enabled=self.tls12_enabled)
-        self._server[identity] = (cert, ctx)
+        if hit is not None and hit[0] is cert and hit[1] == gen:
+            return hit[2]
+        ctx = tls.server_context(cert, tls12_enabled=self.tls12_enabled, crls=crl.current if crl else None)
+        self._server[identity] = (cert, gen, ctx)
         return ctx

@@ -19,12 +19,13 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ztunnel.identity.spiffe import Identity
 from ztunnel.metrics import Labels
 from ztunnel.net import format_addr
 from ztunnel.proxy.common import ResponseFlag
+from ztunnel.proxy.hbone.reason import CloseKind, CloseReason
 from ztunnel.proxy.metrics import ConnectionMetrics, DerivedWorkload, TrafficMetrics, traffic_labels
 from ztunnel.rbac import Connection
 from ztunnel.state import ProxyState, StateChange
@@ -42,6 +43,10 @@ CLOSED_FROM_DRAIN = "connection closed due to connection drain"
 class Direction(enum.Enum):
     INBOUND = "inbound"
     OUTBOUND = "outbound"
+
+
+class Abortable(Protocol):
+    def abort(self, reason: CloseReason | str) -> None: ...
 
 
 @dataclass(eq=False)
@@ -73,6 +78,9 @@ class ConnectionRecord:
     # Set when ztunnel closed the connection itself: the flag and error the access log reports.
     forced: tuple[ResponseFlag, str] | None = None
     metrics: ConnectionMetrics | None = None
+    # The HBONE connection carrying it (inbound: the client's; outbound: the pooled one), to close its streams when
+    # the connection itself must close (a CRL revoked the peer).
+    tunnel: object | None = None
 
     @property
     def reporter(self) -> str:
@@ -207,6 +215,20 @@ class ConnectionManager:
         record.forced = (flag, reason)
         if record.closer is not None:
             record.closer(reason)
+
+    def close_tunnel(self, tunnel: object, flag: ResponseFlag, reason: str) -> int:
+        """Close every connection carried by the HBONE connection ``tunnel`` (see :meth:`close`); how many."""
+        records = [r for r in self._open.values() if r.tunnel is tunnel]
+        for record in records:
+            self.close(record, flag, reason)
+        return len(records)
+
+    def revoke_tunnel(self, tunnel: Abortable, reason: str) -> None:
+        """A CRL update revoked the peer of the HBONE connection ``tunnel`` (either direction): its streams end with
+        ``CERT_REVOKED`` and the connection closes at once, as upstream tears it down (a security event, not a
+        drain)."""
+        self.close_tunnel(tunnel, ResponseFlag.CERT_REVOKED, reason)
+        tunnel.abort(CloseReason(CloseKind.PEER_REJECTED, reason))
 
     def close_all(self, reason: str = CLOSED_FROM_DRAIN) -> None:
         """Close every connection now (a drain that ran out of time, a deleted pod, a second SIGINT).

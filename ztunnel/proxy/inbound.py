@@ -28,9 +28,11 @@ import logging
 import socket
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import cast
 
 from ztunnel import baggage, tls
+from ztunnel.crl import REPORTER_INBOUND, Tracked
 from ztunnel.identity.spiffe import Identity
 from ztunnel.net import format_addr
 from ztunnel.proxy.common import (
@@ -227,6 +229,7 @@ class Inbound(Listener):
         self.authorize = authorize
         self.connections: set[HboneTransport] = set()
         self.settings = http2_settings(pi.config, client_side=False)
+        self._crl_tracked: dict[HboneTransport, Tracked | None] = {}  # CRL_PATH: open connections under enforcement
 
     def drain(self) -> None:
         """GOAWAY every connection: open streams finish, new ones go elsewhere."""
@@ -300,6 +303,14 @@ class Inbound(Listener):
             conn.abort(CloseReason(CloseKind.PEER_REJECTED, str(e)))
             return
         conn.peer_identity = identity
+        crl = self.pi.contexts.crl
+        if crl is not None:
+            self._crl_tracked[conn] = crl.track(
+                tls.peer_chain(conn.ssl_object),
+                REPORTER_INBOUND,
+                f"{format_addr(*peer_addr_of(conn))} ({identity})",
+                partial(self.pi.connections.revoke_tunnel, conn),
+            )
 
     def _early_fail(self, conn: HboneTransport, error: str, flag: ResponseFlag | None = None) -> None:
         """A connection that failed before any stream: the WARN line, and with ``flag`` a failed-connection sample
@@ -321,10 +332,16 @@ class Inbound(Listener):
 
     def _closed(self, conn: HboneTransport) -> None:
         self.connections.discard(conn)
+        if self._crl_tracked:
+            crl = self.pi.contexts.crl
+            if crl is not None:
+                crl.untrack(self._crl_tracked.pop(conn, None))
         if self.pi.balance is not None:
             self.pi.balance.closed()
         reason = conn.close_reason
         if not conn.handshake_done and reason is not None and reason.tls_failure and conn.peer is not None:
+            if reason.revoked and self.pi.contexts.crl is not None and self.pi.contexts.crl.metrics is not None:
+                self.pi.contexts.crl.metrics.rejected(REPORTER_INBOUND)
             self._early_fail(conn, str(reason), ResponseFlag.TLS_FAILURE)
 
     def _on_request(self, conn: HboneTransport, stream: HboneStream, ev: ConnectRequested) -> None:
@@ -342,6 +359,7 @@ class Inbound(Listener):
             hbone_target=ev.authority,
             src_identity=identity,
             mtls=True,
+            tunnel=conn,
         )
         # Until the stream is up, the source is what its certificate proves. Nothing the peer wrote (baggage)
         # labels a refused stream: each invented value would be a metric series of its own (stricter than upstream).

@@ -266,6 +266,26 @@ class TrafficMetrics:
         self.sockets_open.child((("reporter", labels[0][1]),)).value -= 1
 
 
+class CrlMetrics:
+    """Upstream's two CRL families (``proxy/metrics.rs``), label ``reporter``; counted by :mod:`ztunnel.crl`."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.rejections = registry.family(
+            "istio_crl_policy_rejections",
+            "The total number of connections rejected due to CRL certificate revocation (unstable)",
+        )
+        self.untracked = registry.family(
+            "istio_crl_untracked_connections",
+            "The total number of connections not tracked for CRL enforcement (unstable)",
+        )
+
+    def rejected(self, reporter: str) -> None:
+        self.rejections.child((("reporter", reporter),)).value += 1
+
+    def untracked_connection(self, reporter: str) -> None:
+        self.untracked.child((("reporter", reporter),)).value += 1
+
+
 class MeteredConnection(Protocol):
     """What the flusher reads of a tracked connection (a ``ConnectionRecord``)."""
 

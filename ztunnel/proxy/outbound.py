@@ -310,6 +310,7 @@ class Outbound(Listener):
         assert req.hbone_target is not None
         key = WorkloadKey(req.source.identity, req.upstream_sans, req.actual_destination, src[0])
         stream = await pi.pool.open_stream(key, format_addr(*req.hbone_target), hbone_headers(req, src))
+        record.tunnel = stream.conn  # a CRL revoking the peer closes the pooled connection, and this with it
         assert stream.response is not None
         try:
             status, _headers = await stream.response

@@ -16,10 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from ztunnel import tls
 from ztunnel.config import Config
+from ztunnel.crl import REPORTER_OUTBOUND, Tracked
 from ztunnel.identity.manager import CertificateProvider, CertificateUnavailable
 from ztunnel.identity.spiffe import Identity
 from ztunnel.net import format_addr
@@ -73,6 +76,10 @@ class WorkloadHBONEPool:
         self._reaper: asyncio.TimerHandle | None = None
         self.closed = False
         self.dials = 0  # connections established, for tests and the admin view
+        # CRL_PATH: what closes a connection whose server a CRL update revoked (the proxy's connection manager, which
+        # ends its streams with CERT_REVOKED first); by default the connection is just aborted.
+        self.on_revoked: Callable[[HboneTransport, str], None] = _abort_revoked
+        self._crl_tracked: dict[HboneTransport, Tracked | None] = {}
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._conns.values())
@@ -167,7 +174,7 @@ class WorkloadHBONEPool:
         def on_handshake(t: HboneTransport) -> None:
             assert t.ssl_object is not None
             try:
-                tls.verify_server_identity(t.ssl_object, key.dst_id)
+                server_id = tls.verify_server_identity(t.ssl_object, key.dst_id)
             except tls.TlsError as e:
                 # Report first: abort() runs on_closed, which would otherwise claim the failure as CONNECT.
                 if not done.done():
@@ -178,11 +185,24 @@ class WorkloadHBONEPool:
                     done.set_exception(ProxyError(f"TLS to {format_addr(ip, port)}: {e}", flag))
                 t.abort(CloseReason(CloseKind.PEER_REJECTED, str(e)))
                 return
+            crl = self._contexts.crl
+            if crl is not None:
+                self._crl_tracked[t] = crl.track(
+                    tls.peer_chain(t.ssl_object),
+                    REPORTER_OUTBOUND,
+                    f"{format_addr(ip, port)} ({server_id})",
+                    partial(self.on_revoked, t),
+                )
             if not done.done():
                 done.set_result(t)
 
         def on_closed(t: HboneTransport) -> None:
             reason = t.close_reason
+            crl = self._contexts.crl
+            if crl is not None:
+                crl.untrack(self._crl_tracked.pop(t, None))
+                if reason is not None and reason.revoked and crl.metrics is not None:
+                    crl.metrics.rejected(REPORTER_OUTBOUND)
             if not done.done() and reason is not None:
                 flag = ResponseFlag.TLS_FAILURE if reason.tls_failure else ResponseFlag.CONNECT
                 message = f"HBONE connection to {format_addr(ip, port)}: {reason}"
@@ -247,3 +267,7 @@ class WorkloadHBONEPool:
             for conn in list(conns):
                 conn.abort(reason)
         self._conns.clear()
+
+
+def _abort_revoked(conn: HboneTransport, reason: str) -> None:
+    conn.abort(CloseReason(CloseKind.PEER_REJECTED, reason))

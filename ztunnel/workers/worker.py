@@ -46,8 +46,8 @@ from ztunnel.proxy.common import TlsContextCache
 from ztunnel.proxy.connection_manager import ConnectionRecord, connections_dump
 from ztunnel.proxy.inbound import Inbound
 from ztunnel.proxy.inputs import LocalWorkload
-from ztunnel.proxy.metrics import TrafficMetrics, flush_periodically
-from ztunnel.proxyfactory import PodProxies, ProxyFactory
+from ztunnel.proxy.metrics import CrlMetrics, TrafficMetrics, flush_periodically
+from ztunnel.proxyfactory import PodProxies, ProxyFactory, SelfProxy, crl_manager
 from ztunnel.state import ProxyState
 from ztunnel.state.workload import NetworkAddress
 from ztunnel.tasks import TaskGroup
@@ -136,6 +136,7 @@ class Worker:
         self.serving = False
         self.proxy: Proxy | None = None
         self.dns_proxy: DnsProxy | None = None
+        self.self_proxy: SelfProxy | None = None  # shared mode: ztunnel's own inbound (POD_NAME/...)
         self.pods: dict[str, _Pod] = {}
         self._pod_ops: asyncio.Queue[tuple[p.Message, list[int]]] = asyncio.Queue()
         self._host_fd: int | None = None
@@ -225,7 +226,8 @@ class Worker:
             cfg,
             self.state,
             self.certs,
-            TlsContextCache(cfg.tls12_enabled),
+            # Each worker watches CRL_PATH itself (ztunnel/crl.py says why); the control process checked it parses.
+            TlsContextCache(cfg.tls12_enabled, crl_manager(cfg, CrlMetrics(self.registry), self.tasks, strict=False)),
             self.traffic,
             dns_metrics,
             on_demand=self._on_demand if msg.on_demand else None,
@@ -325,6 +327,10 @@ class Worker:
                     if self.proxy.socks5 is not None and self.dns_proxy is not None:
                         self.proxy.socks5.resolve = self.dns_proxy.resolve
                     await self.proxy.start()
+            elif cfg.proxy_mode is ProxyMode.SHARED:
+                self.self_proxy = self.factory.self_proxy(self.drain)
+                if self.self_proxy is not None:
+                    await self.self_proxy.start()
         except Exception as e:
             # A port in use, a missing capability: the control process logs it (and at startup exits with it).
             log.error("worker %d cannot serve: %s", self.index, e)
@@ -388,7 +394,8 @@ class Worker:
         return out + [pod.proxies.proxy for pod in self.pods.values()]
 
     def _connections(self) -> list[ConnectionRecord]:
-        return [r for proxy in self._proxies() for r in proxy.pi.connections]
+        own = list(self.self_proxy.pi.connections) if self.self_proxy is not None else []
+        return [r for proxy in self._proxies() for r in proxy.pi.connections] + own
 
     def _answer(self, what: str) -> Any:
         if what == "connections":
@@ -436,6 +443,8 @@ class Worker:
                 await proxy.pi.tasks.cancel_all(timeout=1.0)
 
             waits.append(dedicated())
+        if self.self_proxy is not None:
+            waits.append(self.self_proxy.stop(graceful, deadline))
         for pod in self.pods.values():
             pod.proxies.deadline = deadline
             if not graceful:

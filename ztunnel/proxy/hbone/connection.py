@@ -221,7 +221,10 @@ class HboneTransport(asyncio.BufferedProtocol):
             return
         except (ssl.SSLError, OSError) as e:
             self._flush_tls()  # send the alert, if any
-            self.abort(CloseReason(CloseKind.TLS_HANDSHAKE_FAILED, f"TLS handshake failed: {_ssl_reason(e)}"))
+            # CRL_PATH: OpenSSL refused the peer chain as revoked (X509_V_ERR_CERT_REVOKED, 23): the CRL metric.
+            revoked = isinstance(e, ssl.SSLCertVerificationError) and e.verify_code == 23
+            message = f"TLS handshake failed: {_ssl_reason(e)}"
+            self.abort(CloseReason(CloseKind.TLS_HANDSHAKE_FAILED, message, revoked=revoked))
             return
         self.handshake_done = True
         self._cancel_timer()

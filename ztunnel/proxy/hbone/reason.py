@@ -39,6 +39,7 @@ class CloseReason:
     kind: CloseKind
     message: str
     timed_out: bool = False  # the end was a timeout (the handshake's, or the socket's ETIMEDOUT)
+    revoked: bool = False  # the handshake refused the peer's chain as revoked by a CRL (CRL_PATH)
 
     def __str__(self) -> str:
         return self.message
