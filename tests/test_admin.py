@@ -13,6 +13,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from cryptography import x509
 
 from ztunnel.config import from_env
 from ztunnel.dns.forwarder import ResolvConf
@@ -70,6 +71,8 @@ async def test_config_dump_schema_and_certificate_rotation(tmp_path: Path) -> No
         assert cert["state"] == "Available"
         assert b"BEGIN CERTIFICATE" in base64.b64decode(cert["certChain"][0]["pem"])
         first_serial = cert["certChain"][0]["serialNumber"]
+        leaf = x509.load_pem_x509_certificate(base64.b64decode(cert["certChain"][0]["pem"]))
+        assert first_serial == str(leaf.serial_number)  # decimal, as upstream's dump writes it
         await asyncio.sleep(1.5)
         # The established connection keeps working across the rotation; a new one uses the new certificate.
         writer.write(b"2")

@@ -203,7 +203,7 @@ def _cert_json(cert: x509.Certificate) -> dict[str, Any]:
     pem = cert.public_bytes(Encoding.PEM)
     return {
         "pem": base64.b64encode(pem).decode(),
-        "serialNumber": format(cert.serial_number, "x"),
+        "serialNumber": str(cert.serial_number),  # decimal, as upstream's x509-parser BigUint prints it
         "validFrom": cert.not_valid_before_utc.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "expirationTime": cert.not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
