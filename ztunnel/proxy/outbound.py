@@ -33,6 +33,7 @@ from ztunnel.proxy.common import (
     BAGGAGE_HEADER,
     FORWARDED_HEADER,
     TRACEPARENT_HEADER,
+    X_FORWARDED_NETWORK,
     HttpStatusError,
     ProxyError,
     ResponseFlag,
@@ -42,6 +43,8 @@ from ztunnel.proxy.common import (
 )
 from ztunnel.proxy.connect import connect_plain
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
+from ztunnel.proxy.double_hbone import open_inner
+from ztunnel.proxy.hbone.stream import HboneStream
 from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.metrics import DerivedWorkload
@@ -54,11 +57,12 @@ from ztunnel.sockets import (
     set_accepted_options,
 )
 from ztunnel.state import ProxyState
-from ztunnel.state.service import LoadBalancerMode
+from ztunnel.state.service import LoadBalancerMode, Service
 from ztunnel.state.upstream import (
     ServiceDescription,
     Upstream,
     UpstreamError,
+    fetch_gateway,
     fetch_upstream,
     gateway_workloads,
     service_waypoint,
@@ -72,6 +76,7 @@ log = logging.getLogger("ztunnel.proxy.outbound")
 class OutboundProtocol(enum.Enum):
     TCP = "TCP"
     HBONE = "HBONE"
+    DOUBLE_HBONE = "DOUBLE_HBONE"  # through the destination network's gateway (double_hbone.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +91,18 @@ class Request:
     intended_destination_service: ServiceDescription | None
     upstream_sans: tuple[Identity, ...]
     resolve_hostname: str | None = None  # the destination is known only by hostname: resolve it first
+    # Double HBONE: the identities the final destination (inner TLS) must present, the workload the load balancer
+    # picked behind the gateway, and the ``<service hostname>:<port>`` authority of both CONNECTs.
+    final_sans: tuple[Identity, ...] = ()
+    final_workload: Workload | None = None
+    hbone_host: str | None = None
+
+    @property
+    def authority(self) -> str | None:
+        """The CONNECT ``:authority``: ``ip:port``, or ``<service hostname>:<port>`` through a network gateway."""
+        if self.hbone_host is not None:
+            return self.hbone_host
+        return format_addr(*self.hbone_target) if self.hbone_target is not None else None
 
 
 def build_request(
@@ -104,7 +121,8 @@ def build_request(
         if service is not None:
             waypoint = service_waypoint(state, service, source, ip, rng)
             if waypoint is not None:
-                _same_network(waypoint, source)
+                if waypoint.workload.network != source.network:
+                    return _through_network_gateway(state, source, waypoint, service, target, rng)
                 return _to_gateway(waypoint, source, target, ServiceDescription.of(service), hbone_port)
         us = fetch_upstream(state, source.network, source, ip, port, rng)
         if us is None:
@@ -114,7 +132,13 @@ def build_request(
                 raise ProxyError(f"no healthy upstream for {format_addr(ip, port)}")
             # Not in the mesh (or a passthrough service): plain TCP to where the client was going.
             return Request(OutboundProtocol.TCP, source, target, None, None, None, ())
-        _same_network(us, source)
+        if us.workload.network != source.network:
+            # Only a service reaches another network (fetch_upstream finds workloads on ours alone).
+            if service is None:
+                raise ProxyError(
+                    f"workload {us.workload.name} on network {us.workload.network!r} is not service-addressed"
+                )
+            return _through_network_gateway(state, source, us, service, target, rng)
         if service is None and not _from_waypoint(state, us.workload, source, downstream):
             wp = workload_waypoint(state, us.workload, source, ip, rng)
             if wp is not None:
@@ -148,13 +172,41 @@ def build_request(
     )
 
 
-def _same_network(us: Upstream, source: Workload) -> None:
-    if us.workload.network != source.network:
-        # Cross-network traffic goes through the remote network's east-west gateway as double HBONE.
+def _through_network_gateway(
+    state: ProxyState,
+    source: Workload,
+    us: Upstream,
+    service: Service,
+    target: tuple[IPAddress, int],
+    rng: random.Random,
+) -> Request:
+    """Upstream's ``build_request_through_gateway``: ``us`` (a workload, or a waypoint) is on another network, so
+    the request goes as double HBONE to its network gateway. The outer tunnel is verified against the gateway's
+    identities, the inner one against the service's SANs (upstream's ``final_sans``); both CONNECTs name the
+    service by hostname, since our VIP means nothing on the other network."""
+    gw = us.workload.network_gateway
+    if gw is None:
         raise ProxyError(
-            f"destination {us.workload.name} is on network {us.workload.network!r}, not {source.network!r}: "
-            "double HBONE through a network gateway is not supported"
+            f"no valid destination: workload {us.workload.name} is on network {us.workload.network!r} "
+            f"(not {source.network!r}) and has no network gateway"
         )
+    gateway = fetch_gateway(state, gw, source, target[0], rng, what="network gateway")
+    if gateway.selected_ip is None:
+        raise ProxyError(f"no valid destination for network gateway {gateway.workload.name}")
+    final = tuple(i for i in (Identity.try_parse(san) for san in us.service_sans) if i is not None)
+    return Request(
+        OutboundProtocol.DOUBLE_HBONE,
+        source,
+        (gateway.selected_ip, gateway.port),
+        None,
+        gateway.workload,
+        ServiceDescription.of(service),
+        gateway.workload_and_services_san(),
+        # A service without SANs: the picked workload's own identity (upstream would expect none and fail).
+        final_sans=final or (us.workload.identity,),
+        final_workload=us.workload,
+        hbone_host=f"{service.hostname}:{target[1]}",
+    )
 
 
 def _to_gateway(
@@ -236,13 +288,15 @@ class Outbound(Listener):
             req = build_request(pi.state, source, src[0], dst, pi.config.network, pi.rng, self.hbone_port)
             if req.resolve_hostname is not None:
                 req = await _resolve(req)
-            hbone = req.protocol is OutboundProtocol.HBONE
-            dst_wl = req.actual_destination_workload
+            hbone = req.protocol is not OutboundProtocol.TCP
+            # Through a gateway, the destination is the workload behind it (its identity is checked on the inner
+            # TLS), not the gateway the TCP connection goes to.
+            dst_wl = req.final_workload or req.actual_destination_workload
             record = ConnectionRecord(
                 direction=Direction.OUTBOUND,
                 src=src,
                 dst=req.actual_destination,
-                hbone_target=format_addr(*req.hbone_target) if req.hbone_target else None,
+                hbone_target=req.authority,
                 src_identity=source.identity if hbone else None,
                 dst_identity=dst_wl.identity if dst_wl is not None and hbone else None,
                 src_workload=source,
@@ -254,7 +308,9 @@ class Outbound(Listener):
                 mtls=hbone,
                 original_dst=dst,
             )
-            if hbone:
+            if req.protocol is OutboundProtocol.DOUBLE_HBONE:
+                await self._double_hbone(plain, src, req, record, ready)
+            elif hbone:
                 await self._hbone(plain, src, req, record, ready)
             else:
                 await self._tcp(plain, req, record, ready)
@@ -290,21 +346,67 @@ class Outbound(Listener):
         ready: Callable[[ProxyError | None], None] | None,
     ) -> None:
         pi = self.pi
-        assert req.hbone_target is not None
-        key = WorkloadKey(req.source.identity, req.upstream_sans, req.actual_destination, src[0])
-        stream = await pi.pool.open_stream(key, format_addr(*req.hbone_target), hbone_headers(req, src))
-        assert stream.response is not None
-        try:
-            status, _headers = await stream.response
-        except ConnectionError as e:
-            lost = stream.lost
-            raise ProxyError(f"HBONE stream failed: {e}", timed_out=lost is not None and lost.timed_out) from None
-        if status != 200:
-            stream.reset()
-            raise HttpStatusError(status)
+        stream = await self._open_outer(src, req)
         if plain.closed:
             stream.reset()
             raise ProxyError("client closed the connection before the tunnel was established")
+        record.bytes_sent = lambda: stream.bytes_to_plain
+        record.bytes_recv = lambda: stream.bytes_from_plain
+        record.closer = lambda reason: stream.reset()
+        pi.connections.register(record)
+        if ready is not None:
+            ready(None)
+        stream.attach(plain, on_done=lambda s: pi.connections.release(record, ResponseFlag.NONE, s.error))
+
+    async def _open_outer(self, src: tuple[IPAddress, int], req: Request) -> HboneStream:
+        """A CONNECT on a pooled connection to ``req.actual_destination``, answered 200 (else ProxyError)."""
+        authority = req.authority
+        assert authority is not None
+        key = WorkloadKey(req.source.identity, req.upstream_sans, req.actual_destination, src[0])
+        stream = await self.pi.pool.open_stream(key, authority, hbone_headers(req, src))
+        await _established(stream)
+        return stream
+
+    async def _double_hbone(
+        self,
+        plain: PlainConnection,
+        src: tuple[IPAddress, int],
+        req: Request,
+        record: ConnectionRecord,
+        ready: Callable[[ProxyError | None], None] | None,
+    ) -> None:
+        """Upstream's ``proxy_to_double_hbone``: the outer stream to the gateway (pooled), then inside it a new
+        TLS handshake with the source's certificate verified against ``final_sans`` and a new, unpooled HTTP/2
+        connection whose one CONNECT carries ``x-forwarded-network``."""
+        pi = self.pi
+        outer = await self._open_outer(src, req)
+        authority = req.authority
+        assert authority is not None
+        try:
+            cert = await pi.certs.fetch_certificate(req.source.identity)
+            inner, _pipe = await open_inner(
+                outer,
+                pi.contexts.client(req.source.identity, cert),
+                pi.pool.settings,
+                req.final_sans,
+                f"{authority} through {format_addr(*req.actual_destination)}",
+                peer=(str(req.actual_destination[0]), req.actual_destination[1]),
+            )
+        except BaseException:
+            outer.reset()
+            raise
+        headers = [*hbone_headers(req, src), (X_FORWARDED_NETWORK, pi.config.network)]
+        stream = inner.open_stream(authority, headers)
+        inner.drain_when_idle()  # one stream: the inner connection closes with it (and so the outer stream)
+        try:
+            await _established(stream)
+        except BaseException:
+            inner.abort("inner CONNECT failed")
+            raise
+        if plain.closed:
+            stream.reset()
+            raise ProxyError("client closed the connection before the tunnel was established")
+        record.dst_identity = inner.peer_identity  # verified end to end, through the gateway
         record.bytes_sent = lambda: stream.bytes_to_plain
         record.bytes_recv = lambda: stream.bytes_from_plain
         record.closer = lambda reason: stream.reset()
@@ -332,6 +434,19 @@ class Outbound(Listener):
         if ready is not None:
             ready(None)
         relay.start()
+
+
+async def _established(stream: HboneStream) -> None:
+    """Wait for the CONNECT's answer: 200, else the stream is reset and ProxyError (HttpStatusError) says why."""
+    assert stream.response is not None
+    try:
+        status, _headers = await stream.response
+    except ConnectionError as e:
+        lost = stream.lost
+        raise ProxyError(f"HBONE stream failed: {e}", timed_out=lost is not None and lost.timed_out) from None
+    if status != 200:
+        stream.reset()
+        raise HttpStatusError(status)
 
 
 async def _resolve(req: Request) -> Request:
