@@ -1,0 +1,320 @@
+"""Two networks, real processes, network namespaces (the acceptance tests of issue 18; upstream's namespaced
+``double_hbone1``/``double_hbone2``).
+
+Four nodes on a bridge (``ztunnel.testing.netns``), each its own network namespace:
+
+* ``a`` (network ``net-a``): ztunnel A for the client workload (the node's address), the client's SOCKS5 listener;
+* ``c`` (``net-a``): ztunnel C for ``server-c``, an echo endpoint of the service on the client's network;
+* ``b`` (``net-b``): ztunnel B for ``server-b``, the service's endpoint on the other network; its firewall drops
+  everything from network A's nodes (a and c), so the only way in is through the gateway;
+* ``g`` (``net-b``): the east-west gateway process (``python -m ztunnel.testing.gateway``), routing
+  ``echo.default.svc.cluster.local`` to B's 15008.
+
+Every process is a real one (``python -m ztunnel``); tcpdump on the gateway's node records what the gateway sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ztunnel.identity.ca import LocalCA
+from ztunnel.testing import Sample, ZtunnelProcess, scrape_now, socks5_connect
+from ztunnel.testing import netns as tn
+
+ECHO_HOST = "echo.default.svc.cluster.local"
+VIP = "10.96.0.10"
+APP_PORT = 8080
+CLIENT_ID = "spiffe://cluster.local/ns/default/sa/client"
+SERVER_ID = "spiffe://cluster.local/ns/default/sa/server"
+GATEWAY_ID = "spiffe://cluster.local/ns/istio-system/sa/istio-eastwestgateway"
+
+MESH = """
+workloads:
+- {{uid: Kubernetes//v1/Pod/default/client, name: client, namespace: default, serviceAccount: client,
+   workloadIps: ["{a}"], protocol: HBONE, node: a, network: net-a, canonicalName: client, workloadName: client,
+   workloadType: deployment, clusterId: Kubernetes}}
+- {{uid: Kubernetes//v1/Pod/default/server-b, name: server-b, namespace: default, serviceAccount: server,
+   workloadIps: ["{b}"], protocol: HBONE, node: b, network: net-b, canonicalName: echo, workloadName: server-b,
+   workloadType: deployment, clusterId: Kubernetes,
+   networkGateway: {{destination: "net-b/{g}", hboneMtlsPort: 15008}},
+   services: {{"default/{host}": {{80: {port}}}}}}}
+{local}- {{uid: Kubernetes//v1/Pod/istio-system/eastwestgateway, name: eastwestgateway, namespace: istio-system,
+   serviceAccount: istio-eastwestgateway, workloadIps: ["{g}"], network: net-b, node: g}}
+services:
+- name: echo
+  namespace: default
+  hostname: {host}
+  vips: ["net-a/{vip}"]
+  ports: {{80: {port}}}
+  subjectAltNames: ["{server_id}"]
+{lb}
+"""
+
+
+LOCAL_ENDPOINT = """- {{uid: Kubernetes//v1/Pod/default/server-c, name: server-c, namespace: default, serviceAccount: server,
+   workloadIps: ["{c}"], protocol: HBONE, node: c, network: net-a, canonicalName: echo, workloadName: server-c,
+   workloadType: deployment, clusterId: Kubernetes,
+   services: {{"default/{host}": {{80: {port}}}}}}}
+"""
+
+
+@dataclass
+class Mesh:
+    topo: tn.Topology
+    a: tn.Node
+    b: tn.Node
+    c: tn.Node
+    g: tn.Node
+    workdir: Path
+    with_local_endpoint: bool
+
+
+class NamedEcho:
+    """An app that says its name in one line, then echoes (so the client knows which endpoint it reached)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.server: asyncio.Server | None = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(f"{self.name}\n".encode())
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+            writer.write_eof()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+
+def ztunnel_env(node: tn.Node, workload: str, network: str, workdir: Path) -> dict[str, str]:
+    return {
+        "XDS_ADDRESS": "",
+        "FAKE_CA": "true",
+        "ZTUNNEL_CA_DIR": str(workdir / "ca"),
+        "LOCAL_XDS_PATH": str(workdir / "mesh.yaml"),
+        "PROXY_MODE": "dedicated",
+        "PROXY_WORKLOAD_INFO": workload,
+        "NODE_NAME": node.node,
+        "NETWORK": network,
+        "UNSTABLE_ENABLE_SOCKS5": "true",
+        "ISTIO_META_DNS_CAPTURE": "false",
+        "ENABLE_ORIG_SRC": "false",
+        "LOG_FORMAT": "json",
+    }
+
+
+def access_lines(log: Path, direction: str) -> list[dict[str, Any]]:
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("message") == "connection complete" and rec.get("direction") == direction:
+            out.append(rec)
+    return out
+
+
+def samples(node: tn.Node, name: str) -> list[Sample]:
+    return [s for s in node.run(scrape_now, "127.0.0.1", 15020) if s.name == name]
+
+
+@pytest.fixture
+def topology() -> Iterator[tn.Topology]:
+    with tn.topology(iptables=True) as topo:
+        yield topo
+
+
+def run_mesh(topo: tn.Topology, workdir: Path, lb: str = "", local_endpoint: bool = True) -> Iterator[Mesh]:
+    """Start the mesh (with ``server-c`` on network A when ``local_endpoint``); yields once, checks exit codes."""
+    a, b, c, g = (topo.node(n) for n in ("a", "b", "c", "g"))
+    # Network A's nodes cannot reach network B's node except through the gateway.
+    for other in (a, c):
+        b.exec(["iptables", "-A", "INPUT", "-s", other.ip, "-j", "DROP"])
+    local = LOCAL_ENDPOINT.format(c=c.ip, host=ECHO_HOST, port=APP_PORT) if local_endpoint else ""
+    (workdir / "mesh.yaml").write_text(
+        MESH.format(
+            a=a.ip, b=b.ip, g=g.ip, host=ECHO_HOST, port=APP_PORT, vip=VIP, server_id=SERVER_ID, lb=lb, local=local
+        )
+    )
+    LocalCA.load_or_create(workdir / "ca", "cluster.local")
+    procs: list[ZtunnelProcess] = []
+    apps: list[tuple[tn.LoopThread, NamedEcho]] = []
+    gateway: subprocess.Popen[bytes] | None = None
+    gateway_log = open(workdir / "gateway.log", "wb")  # noqa: SIM115 - closed below
+    try:
+        for node, name in ((b, "server-b"), (c, "server-c")):
+            thread = topo.loop_thread(node, name)
+            echo = NamedEcho(name)
+
+            async def serve(echo: NamedEcho = echo) -> None:
+                echo.server = await asyncio.start_server(echo._handle, "0.0.0.0", APP_PORT)
+
+            thread.call(serve())
+            apps.append((thread, echo))
+        gateway = g.popen(
+            [
+                sys.executable, "-m", "ztunnel.testing.gateway",
+                "--ca-dir", str(workdir / "ca"), "--identity", GATEWAY_ID, "--listen", f"{g.ip}:15008",
+                "--route", f"{ECHO_HOST}={b.ip}:15008", "--record", str(workdir / "gateway.json"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=gateway_log,
+        )  # fmt: skip
+        assert gateway.stdout is not None
+        assert b"listening" in gateway.stdout.readline(), (workdir / "gateway.log").read_text()
+        nodes = [(b, "default/server-b/server", "net-b"), (c, "default/server-c/server", "net-a")]
+        for node, workload, network in [*nodes[: 2 if local_endpoint else 1], (a, "default/client/client", "net-a")]:
+            env = ztunnel_env(node, workload, network, workdir)
+            procs.append(ZtunnelProcess(env, workdir / f"{node.node}.log", netns=node).start())
+        yield Mesh(topo, a, b, c, g, workdir, local_endpoint)
+    finally:
+        codes = [p.stop() for p in procs]
+        if gateway is not None:
+            gateway.send_signal(signal.SIGTERM)
+            gateway.wait(10)
+            assert gateway.stdout is not None
+            gateway.stdout.close()
+        gateway_log.close()
+        for thread, echo in apps:
+            if echo.server is not None:
+                echo.server.close()
+            thread.stop()
+    assert codes == [0] * len(procs), f"exit codes {codes}; logs in {workdir}"
+
+
+async def connect_once(mesh: Mesh, payload: bytes) -> tuple[str, bytes]:
+    """From node a: SOCKS5 to the service VIP; (the endpoint's name, what was echoed)."""
+
+    async def client() -> tuple[str, bytes]:
+        reader, writer = await socks5_connect(("127.0.0.1", 15080), VIP, 80)
+        try:
+            name = (await asyncio.wait_for(reader.readline(), 20)).decode().strip()
+            writer.write(payload)
+            writer.write_eof()
+            echoed = await asyncio.wait_for(reader.read(), 30)
+        finally:
+            writer.close()
+        return name, echoed
+
+    return await mesh.topo.loop_thread(mesh.a, "client").run(client())
+
+
+def start_capture(node: tn.Node, pcap: Path) -> subprocess.Popen[bytes]:
+    proc = node.popen(["tcpdump", "-i", "any", "-U", "-s", "0", "-w", str(pcap), "tcp"], stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    said = b""
+    while b"listening" not in said:  # "listening on any ..." once it captures
+        line = proc.stderr.readline()
+        assert line, said
+        said += line
+    return proc
+
+
+async def wait_for(check: Any, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got or time.monotonic() > deadline:
+            return got
+        await asyncio.sleep(0.05)
+
+
+async def test_double_hbone_two_networks(topology: tn.Topology, tmp_path: Path) -> None:
+    import shutil
+
+    if shutil.which("tcpdump") is None:
+        pytest.skip("tcpdump is not installed (apt-get install -y tcpdump): the wire check needs it")
+    # Only network B's endpoint, so every connection crosses the gateway.
+    gen = run_mesh(topology, tmp_path, local_endpoint=False)
+    mesh = next(gen)
+    try:
+        pcap = tmp_path / "gateway.pcap"
+        capture = start_capture(mesh.g, pcap)
+        marker = b"PLAINTEXT-SHOULD-NOT-BE-SEEN-BY-THE-GATEWAY:" * 4096  # 176 KiB of a text the wire must not show
+        names = []
+        try:
+            for _ in range(3):
+                name, echoed = await connect_once(mesh, marker)
+                assert echoed == marker
+                names.append(name)
+        finally:
+            capture.send_signal(signal.SIGINT)
+            capture.wait(10)
+            assert capture.stderr is not None
+            capture.stderr.close()
+        a_out = await wait_for(lambda: access_lines(tmp_path / "a.log", "outbound")[:3])
+        await wait_for(lambda: len(access_lines(tmp_path / "b.log", "inbound")) >= 3)
+        b_in = access_lines(tmp_path / "b.log", "inbound")
+        a_metrics = samples(mesh.a, "istio_tcp_connections_opened_total")
+        b_metrics = samples(mesh.b, "istio_tcp_connections_opened_total")
+    finally:
+        with pytest.raises(StopIteration):
+            next(gen)
+    assert names == ["server-b"] * 3
+    # On the wire at the gateway: the connections passed (bytes captured), and never the plaintext.
+    wire = pcap.read_bytes()
+    assert len(wire) > 3 * len(marker), len(wire)
+    assert b"PLAINTEXT-SHOULD-NOT-BE-SEEN" not in wire
+    # The gateway's own record: outer CONNECTs by service hostname from the client's identity.
+    seen = json.loads((tmp_path / "gateway.json").read_text())
+    crossed = [s for s in seen if s["status"] == 200]
+    assert len(crossed) == names.count("server-b"), seen
+    assert all(s["authority"] == f"{ECHO_HOST}:80" and s["peer_identity"] == CLIENT_ID for s in crossed), seen
+    # A (reporter source): to the server's identity, through the gateway.
+    via_gw = [r for r in a_out if str(r.get("dst.addr", "")).startswith(f"{mesh.g.ip}:")]
+    assert via_gw and all(r["dst.identity"] == SERVER_ID and r["src.identity"] == CLIENT_ID for r in via_gw), a_out
+    # B (reporter destination): the client's identity; the TCP peer is the gateway.
+    assert len(b_in) == len(crossed), b_in
+    assert all(r["src.identity"] == CLIENT_ID and r["src.addr"].startswith(f"{mesh.g.ip}:") for r in b_in), b_in
+    assert all("error" not in r for r in b_in + via_gw)
+    a_src = [s for s in a_metrics if s.labels["reporter"] == "source"]
+    assert any(
+        s.labels["destination_principal"] == SERVER_ID and s.labels["source_principal"] == CLIENT_ID for s in a_src
+    ), a_src
+    b_dst = [s for s in b_metrics if s.labels["reporter"] == "destination"]
+    assert sum(s.value for s in b_dst if s.labels["source_principal"] == CLIENT_ID) == len(crossed), b_dst
+    assert all(s.labels["destination_principal"] == SERVER_ID for s in b_dst), b_dst
+
+
+@pytest.mark.parametrize(
+    ("lb", "expect"),
+    [
+        ("", "both"),
+        ("  loadBalancer: {mode: Failover, routingPreferences: [Network]}", "local"),
+    ],
+    ids=["standard", "failover-network"],
+)
+async def test_service_on_both_networks(topology: tn.Topology, tmp_path: Path, lb: str, expect: str) -> None:
+    gen = run_mesh(topology, tmp_path, lb)
+    mesh = next(gen)
+    try:
+        n = 24
+        results = [await connect_once(mesh, os.urandom(1024)) for _ in range(n)]
+    finally:
+        with pytest.raises(StopIteration):
+            next(gen)
+    assert len(results) == n  # every connection succeeded (connect_once raises otherwise)
+    names = [name for name, _ in results]
+    if expect == "local":
+        assert names == ["server-c"] * n  # FAILOVER prefers the client's network while it has healthy endpoints
+    else:
+        # STANDARD: random over both (each 50%): both are reached (all 24 on one side: 2 in 2**24).
+        assert set(names) == {"server-b", "server-c"}, names
+    seen = json.loads((tmp_path / "gateway.json").read_text())
+    assert len([s for s in seen if s["status"] == 200]) == names.count("server-b"), seen
