@@ -38,7 +38,6 @@ from ztunnel.proxy.metrics import TrafficMetrics, flush_periodically
 from ztunnel.proxyfactory import PodProxies, ProxyFactory
 from ztunnel.readiness import BlockReady, Readiness, ReadinessServer
 from ztunnel.state import ProxyState
-from ztunnel.state.workload import NetworkAddress
 from ztunnel.tasks import TaskGroup
 from ztunnel.workers.prefork import Preforked
 from ztunnel.workers.supervisor import PodFanout, RemotePod, Supervisor, WorkerStartError
@@ -305,8 +304,8 @@ class App:
             return None
         from ztunnel.xds.types import ADDRESS_TYPE
 
-        async def demand(addr: NetworkAddress) -> None:
-            await client.demand(ADDRESS_TYPE, str(addr))  # "<network>/<ip>", as upstream
+        async def demand(name: str) -> None:
+            await client.demand(ADDRESS_TYPE, name)  # "<network>/<ip>", "<ns>/<hostname>" or a UID, as upstream
 
         return demand
 

@@ -376,9 +376,7 @@ class Inbound(Listener):
         record.derived_source = DerivedWorkload(identity=identity)
         # Through a gateway the source IP is the gateway's; otherwise it is the source workload's only if the
         # certificate is that workload's identity (never attribute the IP's workload to someone else).
-        ip_workload = (
-            None if from_gateway(ev.headers, pi.config.network) else pi.state.workloads.find_address(_naddr(pi, src[0]))
-        )
+        ip_workload = await self._workload_at_peer(src[0], ev.headers)
         if ip_workload is not None and ip_workload.identity == identity:
             record.src_workload = ip_workload
         try:
@@ -453,6 +451,15 @@ class Inbound(Listener):
             raise InboundRejected(401 if flag is ResponseFlag.DENY else 503, reason, flag)
         return upstream
 
+    async def _workload_at_peer(self, ip: IPAddress, headers: Mapping[str, str]) -> Workload | None:
+        """The workload at the peer's IP (upstream ``fetch_workload_by_address``, on demand with XDS_ON_DEMAND);
+        None through a gateway (``x-forwarded-network``), whose IP is the gateway's, never the source's."""
+        pi = self.pi
+        if from_gateway(headers, pi.config.network):
+            return None
+        await pi.fetch_workload_by_address(_naddr(pi, ip))
+        return pi.state.workloads.find_address(_naddr(pi, ip))
+
     async def _fetch_target(self, authority: str, conn_dst: IPAddress) -> None:
         """On-demand xDS: a target IP other than the dialled one is looked up before the destination check (upstream
         fetches it when the state does not know it)."""
@@ -462,6 +469,10 @@ class Inbound(Listener):
             return  # refused below, with the reason
         if not isinstance(host, str) and host != conn_dst:
             await self.pi.fetch_address(_naddr(self.pi, host))
+            # The sandwich check resolves the target's waypoint too: ask for it when it is not known either.
+            found = self.pi.state.find_address(_naddr(self.pi, host))
+            if found is not None and found.waypoint is not None:
+                await self.pi.fetch_destination(found.waypoint.destination)
 
     def _reject(self, conn: HboneTransport, stream: HboneStream, record: ConnectionRecord, e: InboundRejected) -> None:
         """Answer ``e.status`` and end the stream; the access log and metrics report it (never established)."""

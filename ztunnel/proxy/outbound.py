@@ -23,7 +23,7 @@ import ipaddress
 import logging
 import random
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ztunnel import baggage
@@ -68,7 +68,14 @@ from ztunnel.state.upstream import (
     service_waypoint,
     workload_waypoint,
 )
-from ztunnel.state.workload import InboundProtocol, IPAddress, NetworkAddress, Workload
+from ztunnel.state.workload import (
+    GatewayAddress,
+    InboundProtocol,
+    IPAddress,
+    NamespacedHostname,
+    NetworkAddress,
+    Workload,
+)
 
 log = logging.getLogger("ztunnel.proxy.outbound")
 
@@ -240,6 +247,52 @@ def _from_waypoint(state: ProxyState, dst: Workload, source: Workload, downstrea
     )
 
 
+async def fetch_references(pi: ProxyInputs, source: Workload, ip: IPAddress) -> None:
+    """``XDS_ON_DEMAND``: what :func:`build_request` may look up besides the destination, asked for when the state
+    lacks it (upstream's on-demand lookups): the destination's waypoints (service or workload waypoint, by address
+    or hostname), the network gateways of endpoints on other networks, and the workloads of a workload waypoint's
+    service by UID (``check_from_waypoint``). Each miss is one request; all are asked at once."""
+    state = pi.state
+    addr = NetworkAddress(pi.config.network, ip)
+    gateways: list[GatewayAddress] = []
+    service = state.services.get_best_by_vip(addr, source.namespace)
+    if service is not None:
+        if service.waypoint is not None:
+            gateways.append(service.waypoint)
+        gateways.extend(w.destination for w in service.weighted_waypoints)
+        gateways.extend(_remote_gateways(state, source, (state.workloads.find_uid(u) for u in service.endpoints)))
+    else:
+        wl = state.workloads.find_address(addr)
+        if wl is not None and wl.waypoint is not None:
+            gateways.append(wl.waypoint)
+    dests = list(dict.fromkeys(gw.destination for gw in gateways))  # each once, in order
+    await asyncio.gather(*(pi.fetch_destination(d, source.namespace) for d in dests))
+    # A waypoint service's own endpoints (by UID) and, across networks, their gateways.
+    uids: list[str] = []
+    for dest in dests:
+        found = state.find_address(dest) if isinstance(dest, NetworkAddress) else state.find_hostname(dest)
+        if isinstance(found, Service):
+            uids.extend(u for u in found.endpoints if state.workloads.find_uid(u) is None)
+    await asyncio.gather(*(pi.fetch_workload_by_uid(u) for u in dict.fromkeys(uids)))
+    more = [gw.destination for d in dests for gw in _remote_gateways(state, source, _workloads_at(state, d))]
+    await asyncio.gather(*(pi.fetch_destination(d) for d in dict.fromkeys(more) if d not in dests))
+
+
+def _remote_gateways(state: ProxyState, source: Workload, workloads: Iterable[Workload | None]) -> list[GatewayAddress]:
+    return [
+        w.network_gateway
+        for w in workloads
+        if w is not None and w.network != source.network and w.network_gateway is not None
+    ]
+
+
+def _workloads_at(state: ProxyState, dest: NetworkAddress | NamespacedHostname) -> list[Workload | None]:
+    found = state.find_address(dest) if isinstance(dest, NetworkAddress) else state.find_hostname(dest)
+    if isinstance(found, Service):
+        return [state.workloads.find_uid(u) for u in found.endpoints]
+    return [found]
+
+
 def hbone_headers(req: Request, src: tuple[IPAddress, int]) -> list[tuple[str, str]]:
     service = req.intended_destination_service
     return [
@@ -285,6 +338,8 @@ class Outbound(Listener):
             source = await pi.local.get()
             # XDS_ON_DEMAND: an address the state does not know is asked for first (upstream fetch_address).
             await pi.fetch_address(NetworkAddress(pi.config.network, dst[0]), source.namespace)
+            if pi.on_demand is not None:
+                await fetch_references(pi, source, dst[0])
             req = build_request(pi.state, source, src[0], dst, pi.config.network, pi.rng, self.hbone_port)
             if req.resolve_hostname is not None:
                 req = await _resolve(req)
