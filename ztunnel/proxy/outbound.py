@@ -8,8 +8,10 @@ Upstream ``proxy/outbound.rs``. For each accepted connection:
    ``XDS_ON_DEMAND``, a destination the state does not know is asked for (``<network>/<ip>``) and its answer
    awaited, up to 5 s, before deciding;
 4. :func:`build_request` decides: service waypoint, load-balanced endpoint, workload waypoint, HBONE to
-   ``endpointIP:15008`` with ``:authority endpointIP:targetPort``, plain TCP to a non-mesh workload, or passthrough
-   to the original destination when nothing in the mesh matches;
+   ``endpointIP:15008`` with ``:authority endpointIP:targetPort``, double HBONE through the network gateway of an
+   endpoint (or waypoint) on another network (``double_hbone``, docs/multinetwork.md), plain TCP to a non-mesh
+   workload, or passthrough to the original destination when nothing in the mesh matches; with ``XDS_ON_DEMAND``
+   the waypoints and gateways it will look up are asked for first (:func:`fetch_references`);
 5. the bytes are relayed (see ``relay``), and the connection is tracked for metrics and the access log.
 
 :func:`build_request` is pure (state in, decision out) and is tested without sockets.
