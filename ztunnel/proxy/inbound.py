@@ -17,7 +17,8 @@ upstream's status codes (the client maps anything but 200 to a failed connection
 The source workload (labels, access log) is the workload at the peer's IP only when the certificate is that
 workload's identity, and never through a gateway (``x-forwarded-network``); otherwise the source is the certificate
 identity, plus the peer's ``baggage`` once the stream is established. A workload with a PROXY-protocol application
-tunnel (a waypoint) gets a PROXY v2 header first (``proxy_protocol``), over loopback with ``LOCALHOST_APP_TUNNEL``. The upstream connection's source IP is the
+tunnel (a waypoint) gets a PROXY v2 header first (``proxy_protocol``), over loopback with ``LOCALHOST_APP_TUNNEL``.
+The upstream connection's source IP is the
 client's when the listener could be made transparent (IP_TRANSPARENT), so the workload sees who really called.
 """
 
