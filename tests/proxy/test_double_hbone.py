@@ -15,11 +15,13 @@ import logging
 import os
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
+from ztunnel.proxy import double_hbone
 from ztunnel.testing import EchoServer, TwoNodeMesh, access_fields, eventually, running_app
 from ztunnel.testing.gateway import TestGateway
 
@@ -129,3 +131,33 @@ async def test_gateway_without_a_route_fails_the_connection(tmp_path: Path, capl
         await gw.stop()
     assert "503" in out[0]["error"] and out[0]["dst.addr"] == f"{gateway_ip}:15008", out
     assert gw.streams[0].error == f"no route for {ECHO_HOST}"
+
+
+async def test_outer_stream_reset_when_the_gateway_never_ends_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After the inner connection closed, the outer stream is half-closed by us and waits for the gateway's end; a
+    # gateway that never sends it would hold the stream (a slot on the pooled connection) forever.
+    monkeypatch.setattr(double_hbone, "CLOSE_TIMEOUT", 0.2)
+    m = TwoNodeMesh(tmp_path)
+    gateway_ip = m.plain.rsplit(".", 1)[0] + ".2"
+    two_networks(m, gateway_ip)
+    ca = LocalCA.load_or_create(m.ca_dir, "cluster.local")
+    cert = ca.issue(GATEWAY_ID, timedelta(hours=1))
+    gw = await TestGateway(cert, {ECHO_HOST: (m.node_b, 15008)}, hold_open=True).start(gateway_ip, 15008)
+    echo = await EchoServer().start(*m.server_app)
+    try:
+        async with running_app(m.env_a(NETWORK="net-a")) as app, running_app(m.env_b(NETWORK="net-b")):
+            reader, writer = await m.socks5()
+            writer.write(b"ping")
+            writer.write_eof()
+            assert await asyncio.wait_for(reader.read(), 10) == b"ping"
+            writer.close()
+            pool: Any = app.proxy.outbound.pi.pool  # type: ignore[attr-defined]
+            (conn,) = pool.connections()
+            streams = await eventually(lambda: conn.stream_count, timeout=5, until=lambda n: n == 0)
+    finally:
+        await echo.stop()
+        await gw.stop()
+    assert streams == 0
+    assert gw.streams[0].done and gw.streams[0].error is not None  # the gateway saw the reset

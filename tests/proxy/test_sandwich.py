@@ -22,8 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.proxy.test_app_tunnel import CLIENT
-from tests.proxy.test_inbound_e2e import inbound_lines, with_waypoint
+from tests.proxy.test_inbound_e2e import CLIENT, inbound_lines, with_waypoint
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.proxy_protocol import TLV_PEER_IDENTITY

@@ -40,7 +40,7 @@ from typing import Any, cast
 from ztunnel import tls
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.common import ProxyError, ResponseFlag
-from ztunnel.proxy.hbone.connection import WRITE_HIGH_WATER, WRITE_LOW_WATER, HboneTransport
+from ztunnel.proxy.hbone.connection import CLOSE_TIMEOUT, WRITE_HIGH_WATER, WRITE_LOW_WATER, HboneTransport
 from ztunnel.proxy.hbone.core import HboneConnection, Settings
 from ztunnel.proxy.hbone.reason import CloseKind, CloseReason
 from ztunnel.proxy.hbone.stream import HboneStream
@@ -124,6 +124,13 @@ class StreamPipe:
             self.inner.resume_writing()
         if self._inner_closing and not queue and not self.closed and not self.outer.eof_received_:
             self.outer.eof_received()  # END_STREAM after the last byte
+            # The gateway ends its side once the destination closed; one that does not would hold the outer stream
+            # (and a slot on the pooled connection) forever: reset it after CLOSE_TIMEOUT, as a socket close would.
+            asyncio.get_running_loop().call_later(CLOSE_TIMEOUT, self._linger_expired)
+
+    def _linger_expired(self) -> None:
+        if not self.closed:
+            self.outer.reset()
 
     def outer_pause(self) -> None:
         self._outer_paused = True

@@ -35,6 +35,7 @@ from ztunnel.proxy.hbone.core import SERVER_SETTINGS, ConnectRequested, HboneCon
 from ztunnel.proxy.hbone.reason import CloseKind, CloseReason
 from ztunnel.proxy.hbone.stream import HboneStream
 from ztunnel.proxy.inbound import parse_authority
+from ztunnel.proxy.relay import PlainConnection
 from ztunnel.sockets import SocketConfig, SocketFactory
 
 log = logging.getLogger("ztunnel.testing.gateway")
@@ -68,6 +69,8 @@ class TestGateway:
     cert: WorkloadCertificate
     routes: Mapping[str, tuple[str, int]]
     trust_domain: str = "cluster.local"
+    # A misbehaving gateway: never ends its side of a stream (the destination's FIN is not passed on).
+    hold_open: bool = False
     streams: list[GatewayStream] = field(default_factory=list)
     server: asyncio.Server | None = None
     _conns: set[HboneTransport] = field(default_factory=set)
@@ -139,12 +142,34 @@ class TestGateway:
             rec.bytes_in, rec.bytes_out, rec.done, rec.error = s.bytes_to_plain, s.bytes_from_plain, True, s.error
 
         stream.attach(upstream, on_done=done)
+        if self.hold_open:
+            upstream.peer = _NoEof(stream)
 
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
         for conn in list(self._conns):
             conn.abort("gateway stopped")
+
+
+class _NoEof:
+    """Relays like the stream it wraps, but swallows the destination's FIN (``TestGateway.hold_open``)."""
+
+    def __init__(self, stream: HboneStream) -> None:
+        self.stream = stream
+
+    def send_from_plain(self, plain: PlainConnection, offset: int, length: int) -> int:
+        return self.stream.send_from_plain(plain, offset, length)
+
+    def plain_eof(self, plain: PlainConnection) -> None:
+        pass
+
+    def plain_lost(self, plain: PlainConnection, exc: Exception | None) -> None:
+        if exc is not None:
+            self.stream.plain_lost(plain, exc)
+
+    def plain_write_paused(self, plain: PlainConnection, paused: bool) -> None:
+        self.stream.plain_write_paused(plain, paused)
 
 
 async def _run(args: argparse.Namespace) -> list[GatewayStream]:
