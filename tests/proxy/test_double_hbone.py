@@ -22,6 +22,7 @@ import pytest
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy import double_hbone
+from ztunnel.proxy.hbone import connection as hbone_connection
 from ztunnel.testing import EchoServer, TwoNodeMesh, access_fields, eventually, running_app
 from ztunnel.testing.gateway import TestGateway
 
@@ -161,3 +162,41 @@ async def test_outer_stream_reset_when_the_gateway_never_ends_it(
         await gw.stop()
     assert streams == 0
     assert gw.streams[0].done and gw.streams[0].error is not None  # the gateway saw the reset
+
+
+async def test_bulk_both_ways_never_waits_for_a_ping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The inner connection's bytes are written to the outer stream outside the outer connection's dispatch: fed from
+    # inside it, they waited for that connection's next flush of its own, which on a quiet connection is the PING
+    # (every 10 s). With the PING put off for an hour, such a stall is a hang (the deadline below is for that only).
+    monkeypatch.setattr(hbone_connection, "PING_INTERVAL", 3600.0)
+    m = TwoNodeMesh(tmp_path)
+    gateway_ip = m.plain.rsplit(".", 1)[0] + ".2"
+    two_networks(m, gateway_ip)
+    ca = LocalCA.load_or_create(m.ca_dir, "cluster.local")
+    gw = await TestGateway(ca.issue(GATEWAY_ID, timedelta(hours=1)), {ECHO_HOST: (m.node_b, 15008)}).start(
+        gateway_ip, 15008
+    )
+    echo = await EchoServer().start(*m.server_app)
+    size, chunk = 16 << 20, os.urandom(1 << 16)
+    try:
+        async with running_app(m.env_a(NETWORK="net-a")), running_app(m.env_b(NETWORK="net-b")):
+            reader, writer = await m.socks5()
+
+            async def send() -> None:
+                for _ in range(size // len(chunk)):
+                    writer.write(chunk)
+                    await writer.drain()
+                writer.write_eof()
+
+            async def receive() -> int:
+                got = 0
+                while data := await reader.read(1 << 18):
+                    got += len(data)
+                return got
+
+            _, got = await asyncio.wait_for(asyncio.gather(send(), receive()), 60)
+            writer.close()
+    finally:
+        await echo.stop()
+        await gw.stop()
+    assert got == size
