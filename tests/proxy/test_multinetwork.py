@@ -140,8 +140,36 @@ def topology() -> Iterator[tn.Topology]:
         yield topo
 
 
-def run_mesh(topo: tn.Topology, workdir: Path, lb: str = "", local_endpoint: bool = True) -> Iterator[Mesh]:
-    """Start the mesh (with ``server-c`` on network A when ``local_endpoint``); yields once, checks exit codes."""
+def start_control_plane(topo: tn.Topology, workdir: Path) -> tuple[subprocess.Popen[bytes], dict[str, dict[str, str]]]:
+    """This project's istiod stand-in on the bridge (xDS + CA over gRPC/TLS, as ``ztunnel.testing.interop`` runs
+    it for upstream's binary): the ztunnel environment that uses it, by node."""
+    tokens = {"a": CLIENT_ID, "b": SERVER_ID, "c": SERVER_ID}
+    argv = [sys.executable, "-m", "ztunnel.standins.istiod", "serve", "--config", str(workdir / "mesh.yaml"),
+            "--ca-dir", str(workdir / "ca"), "--listen", f"{tn.BRIDGE_IP}:15012"]  # fmt: skip
+    envs: dict[str, dict[str, str]] = {}
+    for node, identity in tokens.items():
+        (workdir / f"{node}.token").write_text(f"token-{node}")  # no newline: upstream sends the bytes verbatim
+        argv += ["--token", f"token-{node}={identity}"]
+        url, root = f"https://{tn.BRIDGE_IP}:15012", str(workdir / "ca" / "root-cert.pem")
+        envs[node] = {"XDS_ADDRESS": url, "CA_ADDRESS": url, "XDS_ROOT_CA": root, "CA_ROOT_CA": root,
+                      "FAKE_CA": "false", "AUTH_TOKEN": str(workdir / f"{node}.token"), "CLUSTER_ID": "Kubernetes",
+                      "RUST_LOG": "info"}  # fmt: skip
+    cp = topo.root.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    assert cp.stdout is not None
+    assert cp.stdout.readline().startswith(b"serving on"), "control plane did not start"
+    return cp, envs
+
+
+def run_mesh(
+    topo: tn.Topology,
+    workdir: Path,
+    lb: str = "",
+    local_endpoint: bool = True,
+    upstream: dict[str, str] | None = None,
+) -> Iterator[Mesh]:
+    """Start the mesh (with ``server-c`` on network A when ``local_endpoint``); yields once, checks exit codes.
+    ``upstream`` maps nodes ("a", "b") to upstream's binary, run there instead of ours; then every ztunnel takes its
+    config and certificate from the control plane stand-in (one CA for all)."""
     a, b, c, g = (topo.node(n) for n in ("a", "b", "c", "g"))
     # Network A's nodes cannot reach network B's node except through the gateway.
     for other in (a, c):
@@ -153,6 +181,10 @@ def run_mesh(topo: tn.Topology, workdir: Path, lb: str = "", local_endpoint: boo
         )
     )
     LocalCA.load_or_create(workdir / "ca", "cluster.local")
+    cp: subprocess.Popen[bytes] | None = None
+    cp_envs: dict[str, dict[str, str]] = {}
+    if upstream is not None:
+        cp, cp_envs = start_control_plane(topo, workdir)
     procs: list[ZtunnelProcess] = []
     apps: list[tuple[tn.LoopThread, NamedEcho]] = []
     gateway: subprocess.Popen[bytes] | None = None
@@ -181,7 +213,15 @@ def run_mesh(topo: tn.Topology, workdir: Path, lb: str = "", local_endpoint: boo
         nodes = [(b, "default/server-b/server", "net-b"), (c, "default/server-c/server", "net-a")]
         for node, workload, network in [*nodes[: 2 if local_endpoint else 1], (a, "default/client/client", "net-a")]:
             env = ztunnel_env(node, workload, network, workdir)
-            procs.append(ZtunnelProcess(env, workdir / f"{node.node}.log", netns=node).start())
+            argv = None
+            if upstream is not None:
+                for key in ("LOCAL_XDS_PATH", "ZTUNNEL_CA_DIR"):
+                    del env[key]
+                env |= cp_envs[node.node]
+                if node.node in upstream:
+                    argv = [upstream[node.node], "proxy", "ztunnel"]
+            log = workdir / f"{node.node}.log"
+            procs.append(ZtunnelProcess(env, log, argv=argv, netns=node, kill_with_parent=True).start(timeout=30))
         yield Mesh(topo, a, b, c, g, workdir, local_endpoint)
     finally:
         codes = [p.stop() for p in procs]
@@ -195,6 +235,11 @@ def run_mesh(topo: tn.Topology, workdir: Path, lb: str = "", local_endpoint: boo
             if echo.server is not None:
                 echo.server.close()
             thread.stop()
+        if cp is not None:
+            cp.send_signal(signal.SIGTERM)
+            cp.wait(10)
+            assert cp.stdout is not None
+            cp.stdout.close()
     assert codes == [0] * len(procs), f"exit codes {codes}; logs in {workdir}"
 
 
@@ -318,3 +363,28 @@ async def test_service_on_both_networks(topology: tn.Topology, tmp_path: Path, l
         assert set(names) == {"server-b", "server-c"}, names
     seen = json.loads((tmp_path / "gateway.json").read_text())
     assert len([s for s in seen if s["status"] == 200]) == names.count("server-b"), seen
+
+
+@pytest.mark.parametrize("upstream_node", ["a", "b"], ids=["upstream-client-side", "upstream-server-side"])
+async def test_double_hbone_with_upstream(topology: tn.Topology, tmp_path: Path, upstream_node: str) -> None:
+    """Upstream Rust ztunnel on one side of the gateway, ours on the other (``ZTUNNEL_UPSTREAM_BIN``; skipped
+    without it): its double HBONE reaches our inbound, ours reaches its inbound, through the same test gateway."""
+    from ztunnel.testing.interop import require_upstream
+
+    binary = require_upstream()
+    gen = run_mesh(topology, tmp_path, local_endpoint=False, upstream={upstream_node: binary})
+    mesh = next(gen)
+    try:
+        payload = os.urandom(256 * 1024)
+        name, echoed = await connect_once(mesh, payload)
+        b_metrics = await wait_for(lambda: samples(mesh.b, "istio_tcp_connections_opened_total"))
+    finally:
+        with pytest.raises(StopIteration):
+            next(gen)
+    assert name == "server-b" and echoed == payload
+    seen = json.loads((tmp_path / "gateway.json").read_text())
+    (s,) = seen
+    assert s["status"] == 200 and s["authority"] == f"{ECHO_HOST}:80" and s["peer_identity"] == CLIENT_ID, s
+    assert "x-forwarded-network" not in s["headers"], s
+    (b,) = [m for m in b_metrics if m.labels["reporter"] == "destination"]
+    assert b.labels["source_principal"] == CLIENT_ID and b.labels["destination_principal"] == SERVER_ID, b
