@@ -166,6 +166,7 @@ def run_mesh(
     lb: str = "",
     local_endpoint: bool = True,
     upstream: dict[str, str] | None = None,
+    extra_env: dict[str, dict[str, str]] | None = None,
 ) -> Iterator[Mesh]:
     """Start the mesh (with ``server-c`` on network A when ``local_endpoint``); yields once, checks exit codes.
     ``upstream`` maps nodes ("a", "b") to upstream's binary, run there instead of ours; then every ztunnel takes its
@@ -220,6 +221,7 @@ def run_mesh(
                 env |= cp_envs[node.node]
                 if node.node in upstream:
                     argv = [upstream[node.node], "proxy", "ztunnel"]
+            env |= (extra_env or {}).get(node.node, {})
             log = workdir / f"{node.node}.log"
             procs.append(ZtunnelProcess(env, log, argv=argv, netns=node, kill_with_parent=True).start(timeout=30))
         yield Mesh(topo, a, b, c, g, workdir, local_endpoint)
@@ -388,3 +390,25 @@ async def test_double_hbone_with_upstream(topology: tn.Topology, tmp_path: Path,
     assert "x-forwarded-network" not in s["headers"], s
     (b,) = [m for m in b_metrics if m.labels["reporter"] == "destination"]
     assert b.labels["source_principal"] == CLIENT_ID and b.labels["destination_principal"] == SERVER_ID, b
+
+
+async def test_double_hbone_on_demand(topology: tn.Topology, tmp_path: Path) -> None:
+    """``XDS_ON_DEMAND`` on the client's ztunnel (worker processes, config from the control plane stand-in): it
+    holds only its own node's workload, asks for the VIP (the service and its endpoint on network B come with it),
+    then for the endpoint's network gateway (``net-b/<gateway ip>``, on no node of its own), through the control
+    process, and the first connection crosses."""
+    on_demand = {"a": {"XDS_ON_DEMAND": "true", "ISTIO_META_DNS_CAPTURE": "false", "ZTUNNEL_WORKER_THREADS": "2"}}
+    gen = run_mesh(topology, tmp_path, local_endpoint=False, upstream={}, extra_env=on_demand)
+    mesh = next(gen)
+    try:
+        payload = os.urandom(64 * 1024)
+        name, echoed = await connect_once(mesh, payload)
+        a_out = await wait_for(lambda: access_lines(tmp_path / "a.log", "outbound"))
+    finally:
+        with pytest.raises(StopIteration):
+            next(gen)
+    assert name == "server-b" and echoed == payload
+    (a,) = a_out
+    assert a["dst.addr"] == f"{mesh.g.ip}:15008" and a["dst.identity"] == SERVER_ID, a
+    log = (tmp_path / "a.log").read_text()
+    assert f"net-b/{mesh.g.ip}" in log, "the gateway was not asked for on demand"
