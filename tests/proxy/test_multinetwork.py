@@ -16,6 +16,7 @@ Every process is a real one (``python -m ztunnel``); tcpdump on the gateway's no
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import os
 import signal
@@ -23,13 +24,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ztunnel.identity.ca import LocalCA
+from ztunnel.proxy.proxy_protocol import TLV_PEER_IDENTITY, app_tunnel_header, parse_v2
 from ztunnel.testing import Sample, ZtunnelProcess, scrape_now, socks5_connect
 from ztunnel.testing import netns as tn
 
@@ -79,17 +81,33 @@ class Mesh:
     g: tn.Node
     workdir: Path
     with_local_endpoint: bool
+    apps: dict[str, NamedEcho] = field(default_factory=dict)
 
 
 class NamedEcho:
-    """An app that says its name in one line, then echoes (so the client knows which endpoint it reached)."""
+    """An app that says its name in one line, then echoes (so the client knows which endpoint it reached). With
+    ``proxy``, each connection starts with a PROXY v2 header, kept raw in ``headers``."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, proxy: bool = False) -> None:
         self.name = name
+        self.proxy = proxy
+        self.headers: list[bytes] = []
         self.server: asyncio.Server | None = None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(f"{self.name}\n".encode())
+        if self.proxy:
+            buf = b""
+            while (header := parse_v2(buf)) is None:
+                chunk = await reader.read(4096)
+                if not chunk:
+                    writer.close()
+                    return
+                buf += chunk
+            self.headers.append(buf[: header.length])
+            rest = buf[header.length :]
+        else:
+            rest = b""
+        writer.write(f"{self.name}\n".encode() + rest)
         try:
             while data := await reader.read(65536):
                 writer.write(data)
@@ -167,6 +185,7 @@ def run_mesh(
     local_endpoint: bool = True,
     upstream: dict[str, str] | None = None,
     extra_env: dict[str, dict[str, str]] | None = None,
+    proxy_tunnel_port: int | None = None,
 ) -> Iterator[Mesh]:
     """Start the mesh (with ``server-c`` on network A when ``local_endpoint``); yields once, checks exit codes.
     ``upstream`` maps nodes ("a", "b") to upstream's binary, run there instead of ours; then every ztunnel takes its
@@ -176,11 +195,13 @@ def run_mesh(
     for other in (a, c):
         b.exec(["iptables", "-A", "INPUT", "-s", other.ip, "-j", "DROP"])
     local = LOCAL_ENDPOINT.format(c=c.ip, host=ECHO_HOST, port=APP_PORT) if local_endpoint else ""
-    (workdir / "mesh.yaml").write_text(
-        MESH.format(
-            a=a.ip, b=b.ip, g=g.ip, host=ECHO_HOST, port=APP_PORT, vip=VIP, server_id=SERVER_ID, lb=lb, local=local
-        )
+    text = MESH.format(
+        a=a.ip, b=b.ip, g=g.ip, host=ECHO_HOST, port=APP_PORT, vip=VIP, server_id=SERVER_ID, lb=lb, local=local
     )
+    if proxy_tunnel_port is not None:
+        anchor = "workloadName: server-b,"
+        text = text.replace(anchor, f"{anchor} applicationTunnel: {{protocol: PROXY, port: {proxy_tunnel_port}}},")
+    (workdir / "mesh.yaml").write_text(text)
     LocalCA.load_or_create(workdir / "ca", "cluster.local")
     cp: subprocess.Popen[bytes] | None = None
     cp_envs: dict[str, dict[str, str]] = {}
@@ -193,10 +214,13 @@ def run_mesh(
     try:
         for node, name in ((b, "server-b"), (c, "server-c")):
             thread = topo.loop_thread(node, name)
-            echo = NamedEcho(name)
+            tunnel = proxy_tunnel_port is not None and name == "server-b"
+            echo = NamedEcho(name, proxy=tunnel)
+            # Behind a PROXY app tunnel the app listens on loopback only (LOCALHOST_APP_TUNNEL, the default).
+            listen = ("127.0.0.1", proxy_tunnel_port) if tunnel else ("0.0.0.0", APP_PORT)
 
-            async def serve(echo: NamedEcho = echo) -> None:
-                echo.server = await asyncio.start_server(echo._handle, "0.0.0.0", APP_PORT)
+            async def serve(echo: NamedEcho = echo, listen: tuple[str, int | None] = listen) -> None:
+                echo.server = await asyncio.start_server(echo._handle, *listen)
 
             thread.call(serve())
             apps.append((thread, echo))
@@ -224,7 +248,9 @@ def run_mesh(
             env |= (extra_env or {}).get(node.node, {})
             log = workdir / f"{node.node}.log"
             procs.append(ZtunnelProcess(env, log, argv=argv, netns=node, kill_with_parent=True).start(timeout=30))
-        yield Mesh(topo, a, b, c, g, workdir, local_endpoint)
+        mesh = Mesh(topo, a, b, c, g, workdir, local_endpoint)
+        mesh.apps = {echo.name: echo for _, echo in apps}
+        yield mesh
     finally:
         codes = [p.stop() for p in procs]
         if gateway is not None:
@@ -412,3 +438,34 @@ async def test_double_hbone_on_demand(topology: tn.Topology, tmp_path: Path) -> 
     assert a["dst.addr"] == f"{mesh.g.ip}:15008" and a["dst.identity"] == SERVER_ID, a
     log = (tmp_path / "a.log").read_text()
     assert f"net-b/{mesh.g.ip}" in log, "the gateway was not asked for on demand"
+
+
+@pytest.mark.parametrize("server", ["ours", "upstream"])
+async def test_proxy_header_behind_the_gateway(topology: tn.Topology, tmp_path: Path, server: str) -> None:
+    """Server-b's app tunnel speaks PROXY; the request comes through the gateway by service hostname. The header
+    names the TCP peer (the gateway), the service VIP with the requested port (PROXY carries no hostname) and the
+    client's identity. With ``ZTUNNEL_UPSTREAM_BIN``, upstream's ztunnel on B writes one for the same request: the
+    two are the same bytes but for the gateway's source port."""
+    upstream: dict[str, str] = {}
+    if server == "upstream":
+        from ztunnel.testing.interop import require_upstream
+
+        upstream = {"b": require_upstream()}
+    gen = run_mesh(topology, tmp_path, local_endpoint=False, upstream=upstream, proxy_tunnel_port=15088)
+    mesh = next(gen)
+    try:
+        name, echoed = await connect_once(mesh, b"behind the tunnel")
+        (raw,) = mesh.apps["server-b"].headers
+    finally:
+        with pytest.raises(StopIteration):
+            next(gen)
+    assert name == "server-b" and echoed == b"behind the tunnel"
+    h = parse_v2(raw)
+    assert h is not None and h.src is not None and h.dst is not None
+    assert str(h.src[0]) == mesh.g.ip  # the TCP peer of B's 15008: the gateway
+    assert (str(h.dst[0]), h.dst[1]) == (VIP, 80)
+    assert h.tlv(TLV_PEER_IDENTITY) == CLIENT_ID.encode()
+    expected = app_tunnel_header(
+        (ipaddress.ip_address(mesh.g.ip), h.src[1]), (ipaddress.ip_address(VIP), 80), CLIENT_ID
+    )
+    assert raw == expected  # byte for byte what ours writes (for upstream's ztunnel: what it wrote)
