@@ -24,6 +24,8 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from ztunnel.errors import ZtunnelError
+
 SIGNATURE = b"\r\n\r\n\x00\r\nQUIT\n"
 # Upstream's ``PROXY_PROTOCOL_AUTHORITY_TLV``: the source workload's SPIFFE identity (``spiffe://td/ns/x/sa/y``).
 TLV_PEER_IDENTITY = 0xD0
@@ -44,7 +46,7 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 SocketAddr = tuple[IPAddress, int]
 
 
-class ProxyProtocolError(ValueError):
+class ProxyProtocolError(ZtunnelError, ValueError):
     """A header that is not PROXY v2, or is malformed; the message says which byte or field."""
 
 
