@@ -39,7 +39,6 @@ from ztunnel.proxy.metrics import CrlMetrics, TrafficMetrics, flush_periodically
 from ztunnel.proxyfactory import PodProxies, ProxyFactory, SelfProxy, crl_manager
 from ztunnel.readiness import BlockReady, Readiness, ReadinessServer
 from ztunnel.state import ProxyState
-from ztunnel.state.workload import NetworkAddress
 from ztunnel.tasks import TaskGroup
 from ztunnel.tls import check_crls
 from ztunnel.workers.prefork import Preforked
@@ -321,8 +320,8 @@ class App:
             return None
         from ztunnel.xds.types import ADDRESS_TYPE
 
-        async def demand(addr: NetworkAddress) -> None:
-            await client.demand(ADDRESS_TYPE, str(addr))  # "<network>/<ip>", as upstream
+        async def demand(name: str) -> None:
+            await client.demand(ADDRESS_TYPE, name)  # "<network>/<ip>", "<ns>/<hostname>" or a UID, as upstream
 
         return demand
 

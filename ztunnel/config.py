@@ -870,13 +870,6 @@ _WORKER_VARIABLES = (
 def _no_effect_warnings(e: _Env) -> tuple[str, ...]:
     """One message per setting given that has no effect yet (``Support.WARNS`` in :data:`SETTINGS`)."""
     out: list[str] = []
-    raw = e.raw("LOCALHOST_APP_TUNNEL")
-    if raw is not None:
-        out.append(
-            f"LOCALHOST_APP_TUNNEL={raw!r} has no effect yet: the PROXY-protocol application tunnel (a workload's "
-            "applicationTunnel) is not implemented (such streams are refused with 503), so there is no app tunnel "
-            "to route over loopback"
-        )
     return tuple(out)
 
 
@@ -1017,14 +1010,8 @@ SETTINGS: tuple[Setting, ...] = (
     # The number of data-plane worker processes (ztunnel/workers/); the chart sets the CPU limit and request.
     Setting(_WORKER_VARIABLES, ("worker_threads",)),
     Setting(("UNSTABLE_ENABLE_SOCKS5",), ("socks5_enabled", "socks5_addr")),
-    # Routing only: it chooses how a PROXY-protocol app tunnel reaches the app, and there is no app tunnel yet
-    # (issue 18), so nothing is weaker for it being ignored.
-    Setting(
-        ("LOCALHOST_APP_TUNNEL",),
-        ("localhost_app_tunnel",),
-        Support.WARNS,
-        warns_when={"LOCALHOST_APP_TUNNEL": "false"},
-    ),
+    # How a PROXY-protocol app tunnel reaches the app: over loopback (default) or to the pod's own address.
+    Setting(("LOCALHOST_APP_TUNNEL",), ("localhost_app_tunnel",)),
     Setting(("ENABLE_RESPONSE_BAGGAGE",), ("enable_response_baggage",)),
     Setting(("CRL_PATH",), ("crl_path",)),
     Setting(("TLS12_ENABLED",), ("tls12_enabled",)),

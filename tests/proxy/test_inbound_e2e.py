@@ -264,11 +264,9 @@ def app_tunnel(protocol: str) -> Callable[[str], str]:
     return edit
 
 
-@pytest.mark.parametrize("protocol", ["NONE", "PROXY"])
-async def test_app_tunnel(tmp_path: Path, caplog: pytest.LogCaptureFixture, protocol: str) -> None:
-    """A ``NONE`` app tunnel is a plain stream to the app. A ``PROXY`` one (a waypoint expecting a PROXY v2 header)
-    is refused with 503 and a reason, never sent as bare bytes the app would misread as its header."""
-    m = TwoNodeMesh(tmp_path, edit=app_tunnel(protocol))
+async def test_app_tunnel_none(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A ``NONE`` app tunnel is a plain stream to the app (``PROXY`` ones: tests/proxy/test_app_tunnel.py)."""
+    m = TwoNodeMesh(tmp_path, edit=app_tunnel("NONE"))
     caplog.set_level(logging.INFO, logger="access")
     echo = await EchoServer().start(*m.server_app)
     try:
@@ -277,20 +275,15 @@ async def test_app_tunnel(tmp_path: Path, caplog: pytest.LogCaptureFixture, prot
             conn: Any = await hbone_dial((m.node_b, 15008), cert, local_addr=(m.node_a, 0))
             try:
                 status, reader, writer = await tunnel(conn, f"{m.server_app[0]}:{m.server_app[1]}")
-                if status == 200:
-                    writer.write(b"through the tunnel")
-                    writer.write_eof()
-                    assert await asyncio.wait_for(reader.read(), 10) == b"through the tunnel"
+                assert status == 200
+                writer.write(b"through the tunnel")
+                writer.write_eof()
+                assert await asyncio.wait_for(reader.read(), 10) == b"through the tunnel"
                 writer.close()
             finally:
                 conn.close("test done")
             lines = await eventually(lambda: inbound_lines(caplog, m.node_b))
     finally:
         await echo.stop()
-    if protocol == "NONE":
-        assert status == 200 and echo.connections == 1
-        assert "error" not in lines[0], lines
-        return
-    assert status == 503
-    assert echo.connections == 0
-    assert len(lines) == 1 and "PROXY-protocol application tunnel" in lines[0]["error"], lines
+    assert echo.connections == 1
+    assert "error" not in lines[0], lines

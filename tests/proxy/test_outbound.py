@@ -141,7 +141,7 @@ def fmt(a: tuple[IPAddress, int] | None) -> str:
 
 
 def summary(req: Request) -> tuple[str, str, str]:
-    return req.protocol.value, fmt(req.actual_destination), fmt(req.hbone_target)
+    return req.protocol.value, fmt(req.actual_destination), req.authority or ""
 
 
 # -- upstream's build_request table --------------------------------------------------------------------------------
@@ -245,7 +245,7 @@ CASES = [
             wl("remote-pod", "10.0.0.2", network="remote", services=EXAMPLE_80),
         ],
         "127.0.0.3:80",
-        "double HBONE",
+        "has no network gateway",
     ),
     Case(
         "double_hbone_gateway_by_ip",
@@ -260,7 +260,8 @@ CASES = [
             wl("ew-gtw", "10.22.1.1", network="remote"),
         ],
         "127.0.0.3:80",
-        "double HBONE",
+        ("DOUBLE_HBONE", "10.22.1.1:15009", "example.com:80"),
+        dest_workload="ew-gtw",
     ),
     Case(
         "double_hbone_gateway_by_hostname",
@@ -277,7 +278,8 @@ CASES = [
             wl("ew-gtw", "127.0.0.5", network="remote", services={"ns/ew-gtw": {15009: 15008}}),
         ],
         "127.0.0.3:80",
-        "remote-pod is on network 'remote'",
+        ("DOUBLE_HBONE", "127.0.0.5:15008", "example.com:80"),
+        dest_workload="ew-gtw",
     ),
     Case(
         "double_hbone_remote_waypoint",
@@ -293,7 +295,8 @@ CASES = [
             wl("remote-ew-gtw", "10.22.1.1", network="remote"),
         ],
         "127.0.0.3:80",
-        "double HBONE",
+        ("DOUBLE_HBONE", "10.22.1.1:15009", "example.com:80"),
+        dest_workload="remote-ew-gtw",
     ),
     Case(
         "host_network_via_service",
@@ -402,9 +405,19 @@ def test_failover_prefers_local_network(seed: int) -> None:
 
 def test_failover_to_remote_when_local_unhealthy() -> None:
     local = wl("local-example-pod", "127.0.0.2", protocol=HBONE, services=EXAMPLE_80, status=HealthStatus.UNHEALTHY)
-    # Upstream would carry this over double HBONE through the east-west gateway; we say why we cannot.
-    with pytest.raises(ProxyError, match=r"remote-example-pod.*double HBONE"):
-        run([FAILOVER_SVC, EW_GATEWAY, REMOTE_EP, local], "127.0.0.3:80")
+    # Upstream's build_request_failover_to_remote: double HBONE through the east-west gateway.
+    req = run([FAILOVER_SVC, EW_GATEWAY, REMOTE_EP, local], "127.0.0.3:80")
+    assert summary(req) == ("DOUBLE_HBONE", "10.22.1.1:15009", "example.com:80")
+    assert req.final_workload is REMOTE_EP and req.actual_destination_workload is EW_GATEWAY
+    assert req.upstream_sans == (EW_GATEWAY.identity,)  # the outer TLS: the gateway's identity
+
+
+def test_double_hbone_inner_tls_expects_the_service_sans() -> None:
+    sans = ("spiffe://cluster.local/ns/ns/sa/example",)
+    objs: list[Workload | Service] = [svc("example.com", "127.0.0.3", subject_alt_names=sans), EW_GATEWAY, REMOTE_EP]
+    req = run(objs, "127.0.0.3:80")
+    assert [str(i) for i in req.final_sans] == list(sans)
+    assert req.intended_destination_service is not None and req.intended_destination_service.hostname == "example.com"
 
 
 # -- request details -----------------------------------------------------------------------------------------------

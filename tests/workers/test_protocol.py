@@ -18,7 +18,7 @@ from ztunnel.inpod.netns import NetnsId
 from ztunnel.localconfig import load_local_config
 from ztunnel.state import ProxyState, StateUpdate
 from ztunnel.state.service import Endpoint
-from ztunnel.state.workload import NamespacedHostname, NetworkAddress
+from ztunnel.state.workload import NamespacedHostname
 from ztunnel.testing import TWO_NODE
 from ztunnel.workers import protocol as p
 
@@ -55,7 +55,8 @@ def sample_messages() -> list[p.Message]:
         p.Failed("outbound 127.0.0.1:15001: address in use"),
         p.Resync(3, 5),
         p.CertificateRequest(IDENTITY, request_id=9),
-        p.OnDemandRequest(NetworkAddress.parse("/10.0.0.1"), request_id=10),
+        p.OnDemandRequest("/10.0.0.1", request_id=10),
+        p.OnDemandRequest("istio-system/waypoint.istio-system.svc.cluster.local", request_id=16),
         p.HandOff(1, None, request_id=13),
         p.HandOff(0, ("Kubernetes//Pod/default/a", NetnsId(3, 4026532300)), request_id=14),
         p.HandIn(("Kubernetes//Pod/default/a", NetnsId(3, 4026532300)), 1, request_id=15),
@@ -73,7 +74,9 @@ def all_message_types() -> set[type]:
         sub: type
         for sub in cls.__subclasses__():
             todo.append(sub)
-            if dataclasses.is_dataclass(sub):
+            # dataclass(slots=True) replaces the class it decorates; the replaced one stays a subclass until the
+            # garbage collector takes it, so only the classes the module exports count.
+            if dataclasses.is_dataclass(sub) and getattr(p, sub.__name__, None) is sub:
                 out.add(sub)
     return out
 

@@ -42,7 +42,9 @@ async def connect_plain(
         raise ProxyError(f"failed to connect to {format_addr(*dst)}: {e.strerror or e}") from None
     try:
         if bind_src is not None:
-            if transparent and set_transparent(sock):
+            if bind_src.is_loopback:
+                sock.bind(sockaddr(bind_src, 0))  # the app tunnel over loopback (LOCALHOST_APP_TUNNEL)
+            elif transparent and set_transparent(sock):
                 # Spoof the client's address toward the app, so it sees who really called (IP_TRANSPARENT).
                 set_freebind(sock)
                 set_bind_no_port(sock)

@@ -16,7 +16,9 @@ upstream's status codes (the client maps anything but 200 to a failed connection
 
 The source workload (labels, access log) is the workload at the peer's IP only when the certificate is that
 workload's identity, and never through a gateway (``x-forwarded-network``); otherwise the source is the certificate
-identity, plus the peer's ``baggage`` once the stream is established. The upstream connection's source IP is the
+identity, plus the peer's ``baggage`` once the stream is established. A workload with a PROXY-protocol application
+tunnel (a waypoint) gets a PROXY v2 header first (``proxy_protocol``), over loopback with ``LOCALHOST_APP_TUNNEL``.
+The upstream connection's source IP is the
 client's when the listener could be made transparent (IP_TRANSPARENT), so the workload sees who really called.
 """
 
@@ -53,6 +55,7 @@ from ztunnel.proxy.hbone.stream import HboneStream
 from ztunnel.proxy.inputs import InboundBalance, ProxyInputs
 from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.metrics import DerivedWorkload
+from ztunnel.proxy.proxy_protocol import app_tunnel_header
 from ztunnel.proxy.relay import PlainConnection
 from ztunnel.rbac import Connection
 from ztunnel.sockets import local_dst, peer_addr, set_accepted_options
@@ -62,6 +65,9 @@ from ztunnel.state.workload import AppTunnelProtocol, IPAddress, NetworkAddress,
 
 log = logging.getLogger("ztunnel.proxy.inbound")
 
+
+_LOOPBACK_V4 = ipaddress.IPv4Address("127.0.0.1")
+_LOOPBACK_V6 = ipaddress.IPv6Address("::1")
 
 # The access log's error for a stream that went away (peer reset, connection lost) before the app answered.
 STREAM_GONE = "stream closed before the connection to the app was established"
@@ -74,6 +80,10 @@ class InboundRequest:
     upstream: tuple[IPAddress, int]
     local: Workload
     service: ServiceDescription | None
+    # The local workload has an application tunnel: its protocol, and the address that goes in its PROXY header
+    # (the HBONE target; for a hostname target, the service's VIP with the requested port).
+    tunnel: AppTunnelProtocol | None = None
+    tunnel_target: tuple[IPAddress, int] | None = None
 
 
 class InboundRejected(ProxyError):
@@ -140,6 +150,7 @@ def build_inbound_request(
     local = pi.local.find()
     if local is None:
         raise InboundRejected(503, f"unknown local workload {pi.local.info}")
+    requested_port = port
     candidates: list[Service]
     if isinstance(host, str):
         # A service hostname (double HBONE, waypoints): map the service port to the workload's target port. The
@@ -160,9 +171,36 @@ def build_inbound_request(
             raise InboundRejected(400, f"ip mismatch: {host} != {conn_dst}")
         candidates = services_of(pi.state, local)
     port = upstream_port(local, port, pi.config.illegal_ports)
+    tunnel = local.application_tunnel
+    tunnel_target: tuple[IPAddress, int] | None = None
+    if tunnel is not None:
+        if isinstance(host, str):
+            # PROXY carries no hostname: the service's VIP on our network (IPv4 first) with the requested port.
+            tunnel_target = (_service_vip(candidates[0], pi.config.network, host), requested_port)
+        else:
+            tunnel_target = (host, requested_port)
     service = guess_inbound_service(candidates, parse_forwarded_host(headers.get(FORWARDED_HEADER, "")), port, local)
     # The target IP is always the one the client dialled (the pod's own address).
-    return InboundRequest(upstream=(conn_dst, port), local=local, service=service)
+    return InboundRequest(
+        upstream=(conn_dst, port),
+        local=local,
+        service=service,
+        tunnel=tunnel.protocol if tunnel is not None else None,
+        tunnel_target=tunnel_target,
+    )
+
+
+def _service_vip(svc: Service, network: str, host: str) -> IPAddress:
+    """Upstream's choice of the VIP that stands for a hostname target in a PROXY header: one on our network, an
+    IPv4 one first; else any. 503 if the service has none."""
+    best: tuple[int, IPAddress] | None = None
+    for vip in svc.vips:
+        rank = (2 if vip.address.version == 4 else 1) if vip.network == network else 0
+        if best is None or rank > best[0]:
+            best = (rank, vip.address)
+    if best is None:
+        raise InboundRejected(503, f"no IP for service {host}: a PROXY header needs an address")
+    return best[1]
 
 
 def upstream_port(local: Workload, port: int, illegal_ports: Container[int]) -> int:
@@ -366,9 +404,7 @@ class Inbound(Listener):
         record.derived_source = DerivedWorkload(identity=identity)
         # Through a gateway the source IP is the gateway's; otherwise it is the source workload's only if the
         # certificate is that workload's identity (never attribute the IP's workload to someone else).
-        ip_workload = (
-            None if from_gateway(ev.headers, pi.config.network) else pi.state.workloads.find_address(_naddr(pi, src[0]))
-        )
+        ip_workload = await self._workload_at_peer(src[0], ev.headers)
         if ip_workload is not None and ip_workload.identity == identity:
             record.src_workload = ip_workload
         try:
@@ -391,8 +427,7 @@ class Inbound(Listener):
             denied = self.authorize(record.rbac, req.local)
             if denied is not None:
                 raise InboundRejected(401, _deny_message(denied), ResponseFlag.DENY)
-            _refuse_proxy_protocol_tunnel(req.local)
-            upstream = await self._connect(record, req.upstream, src[0])
+            upstream = await self._connect(record, req, src[0])
         except InboundRejected as e:
             self._reject(conn, stream, record, e)
             return
@@ -416,21 +451,42 @@ class Inbound(Listener):
         if pi.config.enable_response_baggage:
             headers.append((BAGGAGE_HEADER, baggage.workload_baggage(req.local)))
         conn.respond(stream, 200, headers)
+        if req.tunnel is AppTunnelProtocol.PROXY:
+            # Before any byte of the stream: the app reads who called (the TCP peer, as upstream), what it asked
+            # for and the peer's certificate identity from the header, not from the connection.
+            assert req.tunnel_target is not None
+            upstream.write(memoryview(app_tunnel_header(src, req.tunnel_target, str(identity) if identity else None)))
         stream.attach(upstream, on_done=lambda s: pi.connections.release(record, ResponseFlag.NONE, s.error))
 
-    async def _connect(
-        self, record: ConnectionRecord, dst: tuple[IPAddress, int], client_ip: IPAddress
-    ) -> PlainConnection:
-        """Connect to the app (503 if it fails); a policy that denies the stream meanwhile makes it a 401."""
-        spoof = client_ip if self.transparent and client_ip != dst[0] else None
+    async def _connect(self, record: ConnectionRecord, req: InboundRequest, client_ip: IPAddress) -> PlainConnection:
+        """Connect to the app (503 if it fails); a policy that denies the stream meanwhile makes it a 401.
+
+        A PROXY app tunnel goes over loopback, from loopback, with ``LOCALHOST_APP_TUNNEL`` (default, as upstream):
+        the tunnel port is then reachable only through ztunnel, and a loopback source passes the pod's RPF, iptables
+        and routes where a spoofed client address might not; the client's address travels in the PROXY header."""
+        dst = req.upstream
+        transparent = self.transparent
+        spoof = client_ip if transparent and client_ip != dst[0] else None
+        if req.tunnel is AppTunnelProtocol.PROXY and self.pi.config.localhost_app_tunnel:
+            loopback = _LOOPBACK_V4 if dst[0].version == 4 else _LOOPBACK_V6
+            dst, spoof, transparent = (loopback, dst[1]), loopback, False
         try:
-            upstream = await connect_interruptible(self.pi.sockets, record, dst, spoof, self.transparent)
+            upstream = await connect_interruptible(self.pi.sockets, record, dst, spoof, transparent)
         except ProxyError as e:
             raise InboundRejected(503, str(e), e.flag) from None
         if upstream is None:
             flag, reason = record.forced or (ResponseFlag.CONNECT, INTERRUPTED)
             raise InboundRejected(401 if flag is ResponseFlag.DENY else 503, reason, flag)
         return upstream
+
+    async def _workload_at_peer(self, ip: IPAddress, headers: Mapping[str, str]) -> Workload | None:
+        """The workload at the peer's IP (upstream ``fetch_workload_by_address``, on demand with XDS_ON_DEMAND);
+        None through a gateway (``x-forwarded-network``), whose IP is the gateway's, never the source's."""
+        pi = self.pi
+        if from_gateway(headers, pi.config.network):
+            return None
+        await pi.fetch_workload_by_address(_naddr(pi, ip))
+        return pi.state.workloads.find_address(_naddr(pi, ip))
 
     async def _fetch_target(self, authority: str, conn_dst: IPAddress) -> None:
         """On-demand xDS: a target IP other than the dialled one is looked up before the destination check (upstream
@@ -441,6 +497,10 @@ class Inbound(Listener):
             return  # refused below, with the reason
         if not isinstance(host, str) and host != conn_dst:
             await self.pi.fetch_address(_naddr(self.pi, host))
+            # The sandwich check resolves the target's waypoint too: ask for it when it is not known either.
+            found = self.pi.state.find_address(_naddr(self.pi, host))
+            if found is not None and found.waypoint is not None:
+                await self.pi.fetch_destination(found.waypoint.destination)
 
     def _reject(self, conn: HboneTransport, stream: HboneStream, record: ConnectionRecord, e: InboundRejected) -> None:
         """Answer ``e.status`` and end the stream; the access log and metrics report it (never established)."""
@@ -495,20 +555,6 @@ def _check_source_identity(source: Workload, identity: Identity | None, ip: IPAd
         f"{source.namespace}/{source.name} ({source.identity})",
         ResponseFlag.IDENTITY_ERROR,
     )
-
-
-def _refuse_proxy_protocol_tunnel(local: Workload) -> None:
-    """A workload whose app tunnel speaks PROXY protocol (a waypoint in the "sandwich") expects a PROXY v2 header
-    before the bytes; this ztunnel does not write one yet, and the bytes alone would be misread as a header (or let
-    the app take ztunnel's address for the client's). So the stream is refused (503) with a reason that says so."""
-    tunnel = local.application_tunnel
-    if tunnel is not None and tunnel.protocol is AppTunnelProtocol.PROXY:
-        raise InboundRejected(
-            503,
-            f"workload {local.namespace}/{local.name} has a PROXY-protocol application tunnel "
-            f"(port {tunnel.port or 'unchanged'}), which this ztunnel does not implement: the stream is refused "
-            "rather than sent without its PROXY header",
-        )
 
 
 def _deny_message(reason: str) -> str:

@@ -19,7 +19,7 @@ from ztunnel.proxy.connection_manager import ConnectionManager
 from ztunnel.proxy.pool import WorkloadHBONEPool
 from ztunnel.sockets import SocketFactory
 from ztunnel.state import ProxyState, StateChange
-from ztunnel.state.workload import NetworkAddress, Workload
+from ztunnel.state.workload import NamespacedHostname, NetworkAddress, Workload
 from ztunnel.tasks import TaskGroup
 
 log = logging.getLogger("ztunnel.proxy")
@@ -84,9 +84,10 @@ class LocalWorkload:
         self._unsubscribe()
 
 
-# Asks the control plane for "<network>/<ip>" (XDS_ON_DEMAND) and returns once it answered; the answer, if any,
-# is in the state by then (upstream ``Demander``).
-OnDemand = Callable[[NetworkAddress], Awaitable[None]]
+# Asks the control plane for one Address resource by name (XDS_ON_DEMAND) and returns once it answered; the answer,
+# if any, is in the state by then (upstream ``Demander``). Names as upstream's: "<network>/<ip>", "<namespace>/
+# <hostname>", or a workload UID.
+OnDemand = Callable[[str], Awaitable[None]]
 
 
 class InboundBalance(Protocol):
@@ -133,9 +134,37 @@ class ProxyInputs:
         for the answer (at most :data:`ON_DEMAND_TIMEOUT`). A no-op without on-demand xDS or on a hit."""
         if self.on_demand is None or self.state.find_address(addr, client_ns) is not None:
             return
+        await self.demand(str(addr))
+
+    async def fetch_workload_by_address(self, addr: NetworkAddress) -> None:
+        """Upstream ``fetch_workload_by_address`` (an inbound peer): ask for ``addr`` when no workload has it."""
+        if self.on_demand is None or self.state.workloads.find_address(addr) is not None:
+            return
+        await self.demand(str(addr))
+
+    async def fetch_workload_by_uid(self, uid: str) -> None:
+        """Upstream ``fetch_workload_by_uid``: ask for a workload by its UID when the state does not have it."""
+        if self.on_demand is None or self.state.workloads.find_uid(uid) is not None:
+            return
+        await self.demand(uid)
+
+    async def fetch_destination(self, dest: NetworkAddress | NamespacedHostname, client_ns: str | None = None) -> None:
+        """Upstream ``fetch_destination``: a waypoint's or network gateway's address (``<network>/<ip>``) or
+        hostname (``<namespace>/<hostname>``), asked for when neither a workload nor a service matches it."""
+        if self.on_demand is None:
+            return
+        if isinstance(dest, NetworkAddress):
+            await self.fetch_address(dest, client_ns)
+        elif self.state.find_hostname(dest) is None:
+            await self.demand(str(dest))
+
+    async def demand(self, name: str) -> None:
+        """Ask for ``name`` and wait for the answer, at most :data:`ON_DEMAND_TIMEOUT`; then decide without it."""
+        if self.on_demand is None:
+            return
         try:
-            await asyncio.wait_for(self.on_demand(addr), ON_DEMAND_TIMEOUT)
+            await asyncio.wait_for(self.on_demand(name), ON_DEMAND_TIMEOUT)
         except TimeoutError:
             log.warning(
-                "on-demand xDS lookup of %s not answered within %gs; deciding without it", addr, ON_DEMAND_TIMEOUT
+                "on-demand xDS lookup of %s not answered within %gs; deciding without it", name, ON_DEMAND_TIMEOUT
             )

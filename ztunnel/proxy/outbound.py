@@ -8,8 +8,10 @@ Upstream ``proxy/outbound.rs``. For each accepted connection:
    ``XDS_ON_DEMAND``, a destination the state does not know is asked for (``<network>/<ip>``) and its answer
    awaited, up to 5 s, before deciding;
 4. :func:`build_request` decides: service waypoint, load-balanced endpoint, workload waypoint, HBONE to
-   ``endpointIP:15008`` with ``:authority endpointIP:targetPort``, plain TCP to a non-mesh workload, or passthrough
-   to the original destination when nothing in the mesh matches;
+   ``endpointIP:15008`` with ``:authority endpointIP:targetPort``, double HBONE through the network gateway of an
+   endpoint (or waypoint) on another network (``double_hbone``, docs/multinetwork.md), plain TCP to a non-mesh
+   workload, or passthrough to the original destination when nothing in the mesh matches; with ``XDS_ON_DEMAND``
+   the waypoints and gateways it will look up are asked for first (:func:`fetch_references`);
 5. the bytes are relayed (see ``relay``), and the connection is tracked for metrics and the access log.
 
 :func:`build_request` is pure (state in, decision out) and is tested without sockets.
@@ -23,7 +25,7 @@ import ipaddress
 import logging
 import random
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ztunnel import baggage
@@ -33,6 +35,7 @@ from ztunnel.proxy.common import (
     BAGGAGE_HEADER,
     FORWARDED_HEADER,
     TRACEPARENT_HEADER,
+    X_FORWARDED_NETWORK,
     HttpStatusError,
     ProxyError,
     ResponseFlag,
@@ -42,6 +45,8 @@ from ztunnel.proxy.common import (
 )
 from ztunnel.proxy.connect import connect_plain
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
+from ztunnel.proxy.double_hbone import open_inner
+from ztunnel.proxy.hbone.stream import HboneStream
 from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.metrics import DerivedWorkload
@@ -54,18 +59,26 @@ from ztunnel.sockets import (
     set_accepted_options,
 )
 from ztunnel.state import ProxyState
-from ztunnel.state.service import LoadBalancerMode
+from ztunnel.state.service import LoadBalancerMode, Service
 from ztunnel.state.upstream import (
     ServiceDescription,
     Trace,
     Upstream,
     UpstreamError,
+    fetch_gateway,
     fetch_upstream,
     gateway_workloads,
     service_waypoint,
     workload_waypoint,
 )
-from ztunnel.state.workload import InboundProtocol, IPAddress, NetworkAddress, Workload
+from ztunnel.state.workload import (
+    GatewayAddress,
+    InboundProtocol,
+    IPAddress,
+    NamespacedHostname,
+    NetworkAddress,
+    Workload,
+)
 
 log = logging.getLogger("ztunnel.proxy.outbound")
 
@@ -73,6 +86,7 @@ log = logging.getLogger("ztunnel.proxy.outbound")
 class OutboundProtocol(enum.Enum):
     TCP = "TCP"
     HBONE = "HBONE"
+    DOUBLE_HBONE = "DOUBLE_HBONE"  # through the destination network's gateway (double_hbone.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +101,18 @@ class Request:
     intended_destination_service: ServiceDescription | None
     upstream_sans: tuple[Identity, ...]
     resolve_hostname: str | None = None  # the destination is known only by hostname: resolve it first
+    # Double HBONE: the identities the final destination (inner TLS) must present, the workload the load balancer
+    # picked behind the gateway, and the ``<service hostname>:<port>`` authority of both CONNECTs.
+    final_sans: tuple[Identity, ...] = ()
+    final_workload: Workload | None = None
+    hbone_host: str | None = None
+
+    @property
+    def authority(self) -> str | None:
+        """The CONNECT ``:authority``: ``ip:port``, or ``<service hostname>:<port>`` through a network gateway."""
+        if self.hbone_host is not None:
+            return self.hbone_host
+        return format_addr(*self.hbone_target) if self.hbone_target is not None else None
 
 
 def build_request(
@@ -110,7 +136,8 @@ def build_request(
         if service is not None:
             waypoint = service_waypoint(state, service, source, ip, rng, trace)
             if waypoint is not None:
-                _same_network(waypoint, source)
+                if waypoint.workload.network != source.network:
+                    return _through_network_gateway(state, source, waypoint, service, target, rng)
                 return _to_gateway(waypoint, source, target, ServiceDescription.of(service), hbone_port)
         us = fetch_upstream(state, source.network, source, ip, port, rng, trace)
         if us is None:
@@ -122,7 +149,13 @@ def build_request(
             if trace is not None:
                 trace("protocol", "passthrough: plain TCP to the original destination (nothing in the mesh matches)")
             return Request(OutboundProtocol.TCP, source, target, None, None, None, ())
-        _same_network(us, source)
+        if us.workload.network != source.network:
+            # Only a service reaches another network (fetch_upstream finds workloads on ours alone).
+            if service is None:
+                raise ProxyError(
+                    f"workload {us.workload.name} on network {us.workload.network!r} is not service-addressed"
+                )
+            return _through_network_gateway(state, source, us, service, target, rng)
         if service is None and not _from_waypoint(state, us.workload, source, downstream):
             wp = workload_waypoint(state, us.workload, source, ip, rng, trace)
             if wp is not None:
@@ -165,13 +198,41 @@ def build_request(
     )
 
 
-def _same_network(us: Upstream, source: Workload) -> None:
-    if us.workload.network != source.network:
-        # Cross-network traffic goes through the remote network's east-west gateway as double HBONE.
+def _through_network_gateway(
+    state: ProxyState,
+    source: Workload,
+    us: Upstream,
+    service: Service,
+    target: tuple[IPAddress, int],
+    rng: random.Random,
+) -> Request:
+    """Upstream's ``build_request_through_gateway``: ``us`` (a workload, or a waypoint) is on another network, so
+    the request goes as double HBONE to its network gateway. The outer tunnel is verified against the gateway's
+    identities, the inner one against the service's SANs (upstream's ``final_sans``); both CONNECTs name the
+    service by hostname, since our VIP means nothing on the other network."""
+    gw = us.workload.network_gateway
+    if gw is None:
         raise ProxyError(
-            f"destination {us.workload.name} is on network {us.workload.network!r}, not {source.network!r}: "
-            "double HBONE through a network gateway is not supported"
+            f"no valid destination: workload {us.workload.name} is on network {us.workload.network!r} "
+            f"(not {source.network!r}) and has no network gateway"
         )
+    gateway = fetch_gateway(state, gw, source, target[0], rng, what="network gateway")
+    if gateway.selected_ip is None:
+        raise ProxyError(f"no valid destination for network gateway {gateway.workload.name}")
+    final = tuple(i for i in (Identity.try_parse(san) for san in us.service_sans) if i is not None)
+    return Request(
+        OutboundProtocol.DOUBLE_HBONE,
+        source,
+        (gateway.selected_ip, gateway.port),
+        None,
+        gateway.workload,
+        ServiceDescription.of(service),
+        gateway.workload_and_services_san(),
+        # A service without SANs: the picked workload's own identity (upstream would expect none and fail).
+        final_sans=final or (us.workload.identity,),
+        final_workload=us.workload,
+        hbone_host=f"{service.hostname}:{target[1]}",
+    )
 
 
 def _to_gateway(
@@ -203,6 +264,52 @@ def _from_waypoint(state: ProxyState, dst: Workload, source: Workload, downstrea
     return any(
         w.identity == source.identity and downstream in w.workload_ips for w in gateway_workloads(state, dst.waypoint)
     )
+
+
+async def fetch_references(pi: ProxyInputs, source: Workload, ip: IPAddress) -> None:
+    """``XDS_ON_DEMAND``: what :func:`build_request` may look up besides the destination, asked for when the state
+    lacks it (upstream's on-demand lookups): the destination's waypoints (service or workload waypoint, by address
+    or hostname), the network gateways of endpoints on other networks, and the workloads of a workload waypoint's
+    service by UID (``check_from_waypoint``). Each miss is one request; all are asked at once."""
+    state = pi.state
+    addr = NetworkAddress(pi.config.network, ip)
+    gateways: list[GatewayAddress] = []
+    service = state.services.get_best_by_vip(addr, source.namespace)
+    if service is not None:
+        if service.waypoint is not None:
+            gateways.append(service.waypoint)
+        gateways.extend(w.destination for w in service.weighted_waypoints)
+        gateways.extend(_remote_gateways(state, source, (state.workloads.find_uid(u) for u in service.endpoints)))
+    else:
+        wl = state.workloads.find_address(addr)
+        if wl is not None and wl.waypoint is not None:
+            gateways.append(wl.waypoint)
+    dests = list(dict.fromkeys(gw.destination for gw in gateways))  # each once, in order
+    await asyncio.gather(*(pi.fetch_destination(d, source.namespace) for d in dests))
+    # A waypoint service's own endpoints (by UID) and, across networks, their gateways.
+    uids: list[str] = []
+    for dest in dests:
+        found = state.find_address(dest) if isinstance(dest, NetworkAddress) else state.find_hostname(dest)
+        if isinstance(found, Service):
+            uids.extend(u for u in found.endpoints if state.workloads.find_uid(u) is None)
+    await asyncio.gather(*(pi.fetch_workload_by_uid(u) for u in dict.fromkeys(uids)))
+    more = [gw.destination for d in dests for gw in _remote_gateways(state, source, _workloads_at(state, d))]
+    await asyncio.gather(*(pi.fetch_destination(d) for d in dict.fromkeys(more) if d not in dests))
+
+
+def _remote_gateways(state: ProxyState, source: Workload, workloads: Iterable[Workload | None]) -> list[GatewayAddress]:
+    return [
+        w.network_gateway
+        for w in workloads
+        if w is not None and w.network != source.network and w.network_gateway is not None
+    ]
+
+
+def _workloads_at(state: ProxyState, dest: NetworkAddress | NamespacedHostname) -> list[Workload | None]:
+    found = state.find_address(dest) if isinstance(dest, NetworkAddress) else state.find_hostname(dest)
+    if isinstance(found, Service):
+        return [state.workloads.find_uid(u) for u in found.endpoints]
+    return [found]
 
 
 def hbone_headers(req: Request, src: tuple[IPAddress, int]) -> list[tuple[str, str]]:
@@ -250,16 +357,20 @@ class Outbound(Listener):
             source = await pi.local.get()
             # XDS_ON_DEMAND: an address the state does not know is asked for first (upstream fetch_address).
             await pi.fetch_address(NetworkAddress(pi.config.network, dst[0]), source.namespace)
+            if pi.on_demand is not None:
+                await fetch_references(pi, source, dst[0])
             req = build_request(pi.state, source, src[0], dst, pi.config.network, pi.rng, self.hbone_port)
             if req.resolve_hostname is not None:
                 req = await _resolve(req)
-            hbone = req.protocol is OutboundProtocol.HBONE
-            dst_wl = req.actual_destination_workload
+            hbone = req.protocol is not OutboundProtocol.TCP
+            # Through a gateway, the destination is the workload behind it (its identity is checked on the inner
+            # TLS), not the gateway the TCP connection goes to.
+            dst_wl = req.final_workload or req.actual_destination_workload
             record = ConnectionRecord(
                 direction=Direction.OUTBOUND,
                 src=src,
                 dst=req.actual_destination,
-                hbone_target=format_addr(*req.hbone_target) if req.hbone_target else None,
+                hbone_target=req.authority,
                 src_identity=source.identity if hbone else None,
                 dst_identity=dst_wl.identity if dst_wl is not None and hbone else None,
                 src_workload=source,
@@ -271,7 +382,9 @@ class Outbound(Listener):
                 mtls=hbone,
                 original_dst=dst,
             )
-            if hbone:
+            if req.protocol is OutboundProtocol.DOUBLE_HBONE:
+                await self._double_hbone(plain, src, req, record, ready)
+            elif hbone:
                 await self._hbone(plain, src, req, record, ready)
             else:
                 await self._tcp(plain, req, record, ready)
@@ -307,22 +420,69 @@ class Outbound(Listener):
         ready: Callable[[ProxyError | None], None] | None,
     ) -> None:
         pi = self.pi
-        assert req.hbone_target is not None
-        key = WorkloadKey(req.source.identity, req.upstream_sans, req.actual_destination, src[0])
-        stream = await pi.pool.open_stream(key, format_addr(*req.hbone_target), hbone_headers(req, src))
+        stream = await self._open_outer(src, req)
         record.tunnel = stream.conn  # a CRL revoking the peer closes the pooled connection, and this with it
-        assert stream.response is not None
-        try:
-            status, _headers = await stream.response
-        except ConnectionError as e:
-            lost = stream.lost
-            raise ProxyError(f"HBONE stream failed: {e}", timed_out=lost is not None and lost.timed_out) from None
-        if status != 200:
-            stream.reset()
-            raise HttpStatusError(status)
         if plain.closed:
             stream.reset()
             raise ProxyError("client closed the connection before the tunnel was established")
+        record.bytes_sent = lambda: stream.bytes_to_plain
+        record.bytes_recv = lambda: stream.bytes_from_plain
+        record.closer = lambda reason: stream.reset()
+        pi.connections.register(record)
+        if ready is not None:
+            ready(None)
+        stream.attach(plain, on_done=lambda s: pi.connections.release(record, ResponseFlag.NONE, s.error))
+
+    async def _open_outer(self, src: tuple[IPAddress, int], req: Request) -> HboneStream:
+        """A CONNECT on a pooled connection to ``req.actual_destination``, answered 200 (else ProxyError)."""
+        authority = req.authority
+        assert authority is not None
+        key = WorkloadKey(req.source.identity, req.upstream_sans, req.actual_destination, src[0])
+        stream = await self.pi.pool.open_stream(key, authority, hbone_headers(req, src))
+        await _established(stream)
+        return stream
+
+    async def _double_hbone(
+        self,
+        plain: PlainConnection,
+        src: tuple[IPAddress, int],
+        req: Request,
+        record: ConnectionRecord,
+        ready: Callable[[ProxyError | None], None] | None,
+    ) -> None:
+        """Upstream's ``proxy_to_double_hbone``: the outer stream to the gateway (pooled), then inside it a new
+        TLS handshake with the source's certificate verified against ``final_sans`` and a new, unpooled HTTP/2
+        connection whose one CONNECT carries ``x-forwarded-network``."""
+        pi = self.pi
+        outer = await self._open_outer(src, req)
+        record.tunnel = outer.conn  # the gateway's certificate revoked by a CRL closes the outer connection
+        authority = req.authority
+        assert authority is not None
+        try:
+            cert = await pi.certs.fetch_certificate(req.source.identity)
+            inner, _pipe = await open_inner(
+                outer,
+                pi.contexts.client(req.source.identity, cert),
+                pi.pool.settings,
+                req.final_sans,
+                f"{authority} through {format_addr(*req.actual_destination)}",
+                peer=(str(req.actual_destination[0]), req.actual_destination[1]),
+            )
+        except BaseException:
+            outer.reset()
+            raise
+        headers = [*hbone_headers(req, src), (X_FORWARDED_NETWORK, pi.config.network)]
+        stream = inner.open_stream(authority, headers)
+        inner.drain_when_idle()  # one stream: the inner connection closes with it (and so the outer stream)
+        try:
+            await _established(stream)
+        except BaseException:
+            inner.abort("inner CONNECT failed")
+            raise
+        if plain.closed:
+            stream.reset()
+            raise ProxyError("client closed the connection before the tunnel was established")
+        record.dst_identity = inner.peer_identity  # verified end to end, through the gateway
         record.bytes_sent = lambda: stream.bytes_to_plain
         record.bytes_recv = lambda: stream.bytes_from_plain
         record.closer = lambda reason: stream.reset()
@@ -350,6 +510,19 @@ class Outbound(Listener):
         if ready is not None:
             ready(None)
         relay.start()
+
+
+async def _established(stream: HboneStream) -> None:
+    """Wait for the CONNECT's answer: 200, else the stream is reset and ProxyError (HttpStatusError) says why."""
+    assert stream.response is not None
+    try:
+        status, _headers = await stream.response
+    except ConnectionError as e:
+        lost = stream.lost
+        raise ProxyError(f"HBONE stream failed: {e}", timed_out=lost is not None and lost.timed_out) from None
+    if status != 200:
+        stream.reset()
+        raise HttpStatusError(status)
 
 
 async def _resolve(req: Request) -> Request:

@@ -43,7 +43,7 @@ from ztunnel.identity.spiffe import Identity
 from ztunnel.inpod.netns import NetnsId
 from ztunnel.state import ProxyState, StateUpdate
 from ztunnel.state.service import Endpoint
-from ztunnel.state.workload import NamespacedHostname, NetworkAddress
+from ztunnel.state.workload import NamespacedHostname
 
 HEADER = struct.Struct(">IH")
 # A snapshot of 10,000 workloads and 1,000 services pickles to ~8 MiB; 256 MiB bounds a corrupt length field
@@ -252,9 +252,10 @@ class CertificateRequest(Request):
 
 @dataclass(slots=True)
 class OnDemandRequest(Request):
-    """``XDS_ON_DEMAND``: ask the control plane for this address (answered by OnDemandDone)."""
+    """``XDS_ON_DEMAND``: ask the control plane for this Address resource (``<network>/<ip>``, ``<namespace>/
+    <hostname>`` or a workload UID; answered by OnDemandDone)."""
 
-    address: NetworkAddress
+    name: str
     request_id: int = 0
 
 

@@ -51,7 +51,6 @@ from ztunnel.metrics_merge import MetricsMerger, snapshot
 from ztunnel.readiness import BlockReady, Readiness
 from ztunnel.sockets import SocketConfig, SocketFactory
 from ztunnel.state import ProxyState, StateUpdate
-from ztunnel.state.workload import NetworkAddress
 from ztunnel.tasks import TaskGroup
 from ztunnel.workers import protocol as p
 from ztunnel.workers.balance import LoadBoard
@@ -80,7 +79,7 @@ class WorkerStartError(ZtunnelError):
     """A worker could not start while ztunnel was starting; the message says which and why."""
 
 
-OnDemand = Callable[[NetworkAddress], Awaitable[None]]
+OnDemand = Callable[[str], Awaitable[None]]
 
 
 @dataclass(eq=False)
@@ -510,9 +509,9 @@ class Supervisor:
     async def _on_demand(self, channel: Channel, req: p.OnDemandRequest) -> None:
         try:
             if self.on_demand is not None:
-                await self.on_demand(req.address)
+                await self.on_demand(req.name)
         except Exception as e:  # the worker decides without it, as after a timeout
-            log.warning("on-demand lookup of %s failed: %s", req.address, e)
+            log.warning("on-demand lookup of %s failed: %s", req.name, e)
         with contextlib.suppress(ChannelClosed):
             channel.send(p.OnDemandDone(req.request_id))
 

@@ -49,7 +49,6 @@ from ztunnel.proxy.inputs import LocalWorkload
 from ztunnel.proxy.metrics import CrlMetrics, TrafficMetrics, flush_periodically
 from ztunnel.proxyfactory import PodProxies, ProxyFactory, SelfProxy, crl_manager
 from ztunnel.state import ProxyState
-from ztunnel.state.workload import NetworkAddress
 from ztunnel.tasks import TaskGroup
 from ztunnel.workers import protocol as p
 from ztunnel.workers.balance import LoadBoard, WorkerBalance
@@ -305,9 +304,9 @@ class Worker:
         pod = self.pods.get(key[0])
         return pod.proxies.proxy.inbound if pod is not None and pod.netns.id == key[1] else None
 
-    async def _on_demand(self, addr: NetworkAddress) -> None:
+    async def _on_demand(self, name: str) -> None:
         assert self.channel is not None
-        await self.channel.call(p.OnDemandRequest(addr), response=p.OnDemandDone)
+        await self.channel.call(p.OnDemandRequest(name), response=p.OnDemandDone)
 
     # -- serving -------------------------------------------------------------------------------------------------
 
