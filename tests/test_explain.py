@@ -111,10 +111,10 @@ def test_a_trace_changes_no_decision() -> None:
 def test_refusals_say_why() -> None:
     doc = two_node_doc()
     server = next(w for w in doc["workloads"] if w["uid"] == SERVER)
-    server["network"] = "other"  # across networks: double HBONE, which this proxy refuses
+    server["network"] = "other"  # across networks, and no gateway named: nothing can reach it
     dump = load_dump(doc, "test")
     report = explain(dump, "127.0.1.1", "127.10.0.10:80")
-    assert report["verdict"] == "refused" and "double HBONE" in report["outbound"]["error"]
+    assert report["verdict"] == "refused" and "has no network gateway" in report["outbound"]["error"]
     assert not report["inbound"]["applies"]
     looped = explain(dump, "127.0.1.1", "127.0.0.1:15008")
     assert looped["outbound"]["error"] == "attempted recursive call to ourselves"
@@ -344,3 +344,42 @@ def test_a_source_outside_the_mesh_meets_only_the_destinations_plaintext_inbound
     vip = explain(dump, "default/plain", "127.10.0.10:80")
     assert vip["outbound"]["result"] == "not-captured" and vip["verdict"] == "unknown"
     assert explain(dump, "10.9.9.9", "127.0.3.1:80")["verdict"] == "allow"  # plain to plain: nobody checks
+
+
+def test_double_hbone_through_a_network_gateway() -> None:
+    """A service endpoint on another network: explain shows the proxy's double HBONE request (outer tunnel to the
+    gateway verified against the gateway's identity, inner one against the service's) and the destination's
+    inbound half with the service port mapped, as the destination's ztunnel sees the inner CONNECT."""
+    doc = two_node_doc()
+    server = next(w for w in doc["workloads"] if w["uid"] == SERVER)
+    server["network"] = "other"
+    server["networkGateway"] = {"destination": "other/127.0.9.9", "hboneMtlsPort": 15008}
+    gateway = server | {
+        "uid": "Kubernetes//v1/Pod/istio-system/eastwest",
+        "name": "eastwest",
+        "namespace": "istio-system",
+        "serviceAccount": "eastwest",
+        "workloadIps": ["127.0.9.9"],
+        "services": {},
+    }
+    gateway.pop("networkGateway")
+    doc["workloads"].append(gateway)
+    dump = load_dump(doc, "test")
+    report = explain(dump, "default/client", "127.10.0.10:80")
+    out = report["outbound"]
+    assert (report["verdict"], out["result"], out["protocol"]) == ("allow", "double-hbone", "DOUBLE_HBONE")
+    assert out["next_hop"] == "127.0.9.9:15008" and out["gateway"]["name"] == "istio-system/eastwest"
+    assert out["authority"] == f"{out['service'].split('/', 1)[1]}:80"
+    assert out["expected_identities"] == ["spiffe://cluster.local/ns/istio-system/sa/eastwest"]
+    assert out["final_expected_identities"] == [server_identity(doc)]
+    assert any(s["step"] == "network" and "double HBONE" in s["message"] for s in out["steps"])
+    inbound = report["inbound"]
+    assert inbound["applies"] and inbound["local_workload"]["uid"] == SERVER
+    assert any("service port 80 is the workload's port 8080" in s for s in inbound["steps"])
+    text = render_text(report)
+    assert "double HBONE (mTLS inside mTLS) to 127.0.9.9:15008" in text and "through network gateway" in text
+
+
+def server_identity(doc: dict[str, Any]) -> str:
+    server = next(w for w in doc["workloads"] if w["uid"] == SERVER)
+    return f"spiffe://cluster.local/ns/{server['namespace']}/sa/{server['serviceAccount']}"

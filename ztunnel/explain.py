@@ -39,7 +39,7 @@ from ztunnel.identity.spiffe import DEFAULT_TRUST_DOMAIN, SPIFFE_PREFIX
 from ztunnel.localconfig import LocalConfigError, _policy, _Reader, _service, _workload
 from ztunnel.net import format_addr
 from ztunnel.proxy.common import HttpStatusError, ProxyError, ResponseFlag
-from ztunnel.proxy.inbound import InboundRejected, upstream_port
+from ztunnel.proxy.inbound import InboundRejected, hostname_target, upstream_port
 from ztunnel.proxy.outbound import OutboundProtocol, Request, build_request
 from ztunnel.rbac import Action, Authorization, ClauseTrace, Connection, Match, ServiceAccountMatch, compile_rules
 from ztunnel.state import ProxyState, StateUpdate
@@ -251,11 +251,12 @@ def _outbound(dump: Dump, source: Workload, src_ip: IPAddress, ip: IPAddress, po
     try:
         req = build_request(dump.state, source, src_ip, (ip, port), dump.network, random.Random(seed), trace=rec)
     except ProxyError as e:
-        # Cross-network destinations land here too: the proxy refuses them (double HBONE is not implemented).
         out |= {"result": "refused", "error": str(e), "response_flag": e.flag.value}
         return out
     dst = req.actual_destination_workload
     waypoint = _waypoint_of(req, rec.steps)
+    if req.protocol is OutboundProtocol.DOUBLE_HBONE:
+        return out | _double_hbone(req, rec)
     if req.protocol is OutboundProtocol.HBONE:
         result = "hbone"
     elif dst is None:
@@ -276,6 +277,32 @@ def _outbound(dump: Dump, source: Workload, src_ip: IPAddress, ip: IPAddress, po
         "resolve_hostname": req.resolve_hostname,
     }
     return out
+
+
+def _double_hbone(req: Request, rec: _Recorder) -> dict[str, Any]:
+    """The outbound half of a request to another network: double HBONE through that network's gateway."""
+    gateway, final, service = req.actual_destination_workload, req.final_workload, req.intended_destination_service
+    assert gateway is not None and final is not None
+    rec(
+        "network",
+        f"{final.namespace}/{final.name} is on network {final.network!r}, the source on {req.source.network!r}: "
+        f"double HBONE through network gateway {gateway.namespace}/{gateway.name} (outer mTLS to the gateway, "
+        "inner mTLS to the destination inside it; the gateway sees only ciphertext)",
+        gateway=f"{gateway.namespace}/{gateway.name}",
+    )
+    return {
+        "result": "double-hbone",
+        "protocol": req.protocol.value,
+        "next_hop": format_addr(*req.actual_destination),
+        "authority": req.authority,
+        "gateway": _workload_json(gateway),
+        "destination_workload": _workload_json(final),
+        "service": f"{service.namespace}/{service.hostname}" if service is not None else None,
+        "waypoint": None,
+        "expected_identities": [str(i) for i in req.upstream_sans],
+        "final_expected_identities": [str(i) for i in req.final_sans],
+        "resolve_hostname": None,
+    }
 
 
 def _not_captured(source: Workload | None, src_ip: IPAddress, ip: IPAddress, port: int) -> dict[str, Any]:
@@ -409,7 +436,7 @@ def _inbound(dump: Dump, source: Workload, src_ip: IPAddress, outbound: Mapping[
             "applies": False,
             "reason": "the source's ztunnel refuses the connection: nothing reaches a destination",
         }
-    if result != "hbone":
+    if result not in ("hbone", "double-hbone"):
         what = "the original destination" if result == "passthrough" else "a workload outside the mesh"
         return {
             "applies": False,
@@ -420,23 +447,29 @@ def _inbound(dump: Dump, source: Workload, src_ip: IPAddress, outbound: Mapping[
     assert local is not None
     # As the destination's ztunnel sees it: the IP dialled (the next hop; a waypoint's own address when the authority
     # names the service behind it), the port of the :authority.
-    dst_ip = _ip(outbound["next_hop"].rpartition(":")[0])
-    assert dst_ip is not None
-    port = int(outbound["authority"].rpartition(":")[2])
     steps: list[str] = []
+    host, _, port_text = outbound["authority"].rpartition(":")
+    port = int(port_text)
+    if result == "double-hbone":
+        # The gateway dials the destination's ztunnel with the inner CONNECT to <service hostname>:<port>: the source
+        # is the gateway's address (not looked up, as x-forwarded-network names another network), the identity the
+        # client's, the port the workload's target port for that service port.
+        src_ip = _ip(outbound["next_hop"].rpartition(":")[0]) or src_ip
+        dst_ip = local.workload_ips[0]
+        try:
+            _svc, target_port = hostname_target(dump.state, host, port, local)
+        except InboundRejected as e:
+            return _inbound_refused(local, e)
+        steps.append(f"through a network gateway: service port {port} is the workload's port {target_port}")
+        port = target_port
+    else:
+        dst_ip_or_none = _ip(outbound["next_hop"].rpartition(":")[0])
+        assert dst_ip_or_none is not None
+        dst_ip = dst_ip_or_none
     try:
         mapped = upstream_port(local, port, dump.illegal_ports)
     except InboundRejected as e:
-        return {
-            "applies": True,
-            "local_workload": _workload_json(local),
-            "listener": "inbound HBONE (15008)",
-            "verdict": "refused",
-            "reason": str(e),
-            "status": e.status,
-            "response_flag": e.flag.value,
-            "policies": [],
-        }
+        return _inbound_refused(local, e)
     if mapped != port:
         steps.append(f"application tunnel: the workload's port {mapped} instead of {port}")
         port = mapped
@@ -525,6 +558,19 @@ def _authorize(dump: Dump, local: Workload, conn: Connection, steps: list[str], 
     }
 
 
+def _inbound_refused(local: Workload, e: InboundRejected) -> dict[str, Any]:
+    return {
+        "applies": True,
+        "local_workload": _workload_json(local),
+        "listener": "inbound HBONE (15008)",
+        "verdict": "refused",
+        "reason": str(e),
+        "status": e.status,
+        "response_flag": e.flag.value,
+        "policies": [],
+    }
+
+
 def explain(dump: Dump, source_spec: str, target_spec: str, seed: int = 0) -> dict[str, Any]:
     """Both halves of the decision for a connection from ``source_spec`` to ``target_spec``, as a JSON-ready dict.
 
@@ -593,6 +639,7 @@ def render_text(report: Mapping[str, Any]) -> str:
     else:
         how = {
             "hbone": "HBONE (mTLS)",
+            "double-hbone": "double HBONE (mTLS inside mTLS)",
             "tcp": "plain TCP",
             "passthrough": "passthrough (plain TCP)",
             "not-captured": "not captured: plain TCP",
@@ -602,8 +649,13 @@ def render_text(report: Mapping[str, Any]) -> str:
             add(f"     through waypoint {out['waypoint']}")
         if out["service"]:
             add(f"     service {out['service']}")
+        if out.get("gateway"):
+            gw = out["gateway"]
+            add(f"     through network gateway {gw['name']}, to {out['destination_workload']['name']}")
         if out["expected_identities"]:
             add(f"     the server must present one of: {', '.join(out['expected_identities'])}")
+        if out.get("final_expected_identities"):
+            add(f"     the destination (inner TLS) must present one of: {', '.join(out['final_expected_identities'])}")
         if out.get("resolve_hostname"):
             add(f"     (the address is resolved first: {out['resolve_hostname']})")
     inbound = report["inbound"]

@@ -59,6 +59,7 @@ from ztunnel.proxy.proxy_protocol import app_tunnel_header
 from ztunnel.proxy.relay import PlainConnection
 from ztunnel.rbac import Connection
 from ztunnel.sockets import local_dst, peer_addr, set_accepted_options
+from ztunnel.state import ProxyState
 from ztunnel.state.service import Service
 from ztunnel.state.upstream import ServiceDescription
 from ztunnel.state.workload import AppTunnelProtocol, IPAddress, NetworkAddress, NetworkMode, Workload
@@ -155,16 +156,7 @@ def build_inbound_request(
     if isinstance(host, str):
         # A service hostname (double HBONE, waypoints): map the service port to the workload's target port. The
         # IP is the one dialled in any case; a hostname needs no destination check.
-        svc = pi.state.find_service_by_hostname(host, local.namespace)
-        if svc is None:
-            raise InboundRejected(503, f"unknown service hostname {host}")
-        ep = svc.endpoints.get(local.uid)
-        mapped = ep.port.get(port) if ep is not None else None  # the endpoint's own map first (named ports)
-        if mapped is None:
-            mapped = svc.ports.get(port, 0)
-            if not mapped:
-                raise InboundRejected(503, f"no port mapping for {svc.hostname}:{port} on workload {local.name}")
-        port = mapped
+        svc, port = hostname_target(pi.state, host, port, local)
         candidates = [svc]
     else:
         if host != conn_dst and not is_destination_this_waypoint(pi, local, host, conn_dst):
@@ -201,6 +193,22 @@ def _service_vip(svc: Service, network: str, host: str) -> IPAddress:
     if best is None:
         raise InboundRejected(503, f"no IP for service {host}: a PROXY header needs an address")
     return best[1]
+
+
+def hostname_target(state: ProxyState, host: str, port: int, local: Workload) -> tuple[Service, int]:
+    """For a CONNECT to ``<service hostname>:<port>`` (double HBONE, waypoints): the service and the local
+    workload's target port (the endpoint's own map first, for named ports). Raises InboundRejected (503). Pure, so
+    ``ztunnel explain`` runs it too."""
+    svc = state.find_service_by_hostname(host, local.namespace)
+    if svc is None:
+        raise InboundRejected(503, f"unknown service hostname {host}")
+    ep = svc.endpoints.get(local.uid)
+    mapped = ep.port.get(port) if ep is not None else None
+    if mapped is None:
+        mapped = svc.ports.get(port, 0)
+        if not mapped:
+            raise InboundRejected(503, f"no port mapping for {svc.hostname}:{port} on workload {local.name}")
+    return svc, mapped
 
 
 def upstream_port(local: Workload, port: int, illegal_ports: Container[int]) -> int:
