@@ -3,7 +3,8 @@
 Upstream ``proxy/outbound.rs``. For each accepted connection:
 
 1. the original destination: ``SO_ORIGINAL_DST`` (iptables REDIRECT), else the socket's own address (TPROXY);
-2. a loopback destination on one of ztunnel's own ports is refused (``attempted recursive call to ourselves``);
+2. a destination on one of ztunnel's own ports at a loopback or local address (the node's own, in dedicated mode)
+   is refused (``attempted recursive call to ourselves``): passing it through would loop until the fd limit;
 3. the source is always the proxied workload (never looked up by source IP), waiting up to 5 s for xDS; with
    ``XDS_ON_DEMAND``, a destination the state does not know is asked for (``<network>/<ip>``) and its answer
    awaited, up to 5 s, before deciding;
@@ -48,6 +49,7 @@ from ztunnel.proxy.metrics import DerivedWorkload
 from ztunnel.proxy.pool import WorkloadKey
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.sockets import (
+    family_of,
     local_dst,
     original_dst,
     peer_addr,
@@ -226,8 +228,11 @@ class Outbound(Listener):
         pi = self.pi
         record: ConnectionRecord | None = None
         try:
-            if dst[0].is_loopback and dst[1] in pi.config.illegal_ports:
-                raise ProxyError("attempted recursive call to ourselves")
+            if dst[1] in pi.config.illegal_ports and (dst[0].is_loopback or _is_local(pi, dst[0])):
+                raise ProxyError(
+                    f"attempted recursive call to ourselves: {format_addr(*dst)} is this proxy's own "
+                    f"address and port {dst[1]} one of its listeners (the connection would loop)"
+                )
             if pi.drain.draining:
                 raise ProxyError("proxy is draining")
             source = await pi.local.get()
@@ -332,6 +337,24 @@ class Outbound(Listener):
         if ready is not None:
             ready(None)
         relay.start()
+
+
+def _is_local(pi: ProxyInputs, ip: IPAddress) -> bool:
+    """Whether ``ip`` is an address of the proxy's own network namespace (the node's, in dedicated mode): then a
+    connection to it on a listener port comes straight back to ztunnel, and passing it through would loop until
+    the fd limit. Checked by binding a throwaway socket there (EADDRNOTAVAIL for a foreign address): two syscalls,
+    paid only by connections to one of ztunnel's own ports."""
+    try:
+        sock = pi.sockets.udp(family_of(ip))
+    except OSError:
+        return False
+    try:
+        sock.bind((str(ip), 0))
+    except OSError:
+        return False
+    finally:
+        sock.close()
+    return True
 
 
 async def _resolve(req: Request) -> Request:
