@@ -304,3 +304,39 @@ async def test_long_lived_connection_bytes_scraped_before_close(
             assert [s.value for s in a["istio_tcp_connections_closed"]] == [1]
     finally:
         await echo.stop()
+
+
+async def test_sockets_open_counts_accepted_sockets(tmp_path: Path) -> None:
+    """``istio_tcp_sockets_open`` as upstream: accepted sockets, not proxied connections. Two SOCKS5 tunnels share
+    one pooled HBONE connection, so node B has accepted one socket for both; a plain TCP socket on B's 15008 that
+    never starts TLS is an accepted socket too. All back to 0 once closed."""
+    m = TwoNodeMesh(tmp_path)
+    echo = await EchoServer().start(*m.server_app)
+
+    async def sockets(node: str, want: dict[str, float]) -> None:
+        got: dict[str, float] = {}
+        for _ in range(100):
+            scraped = samples((await asyncio.to_thread(scrape, node))[0])
+            got = {s.labels["reporter"]: s.value for s in scraped.get("istio_tcp_sockets_open", [])}
+            if got == want:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{node}: istio_tcp_sockets_open {got}, want {want}")
+
+    try:
+        async with running_app(m.env_a()), running_app(m.env_b()):
+            tunnels = [await m.socks5() for _ in range(2)]
+            for reader, writer in tunnels:
+                writer.write(b"ping")
+                assert await asyncio.wait_for(reader.readexactly(4), 10) == b"ping"
+            await sockets(m.node_a, {"source": 2})
+            await sockets(m.node_b, {"destination": 1})
+            _, raw = await asyncio.open_connection(m.node_b, 15008)
+            await sockets(m.node_b, {"destination": 2})
+            raw.close()
+            for _, writer in tunnels:
+                writer.close()
+            await sockets(m.node_a, {"source": 0})
+            await sockets(m.node_b, {"destination": 1})  # the pooled HBONE connection stays open
+    finally:
+        await echo.stop()

@@ -256,6 +256,9 @@ class Inbound(Listener):
             on_closed=self._closed,
         )
         self.connections.add(conn)
+        traffic = self.pi.connections.traffic
+        if traffic is not None:
+            traffic.socket_opened("destination")  # an accepted socket; taken off in _closed
         self.pi.tasks.spawn(self._start_tls(conn), "inbound tls")
         return conn
 
@@ -312,6 +315,9 @@ class Inbound(Listener):
         self.pi.connections.release(record, flag, error)
 
     def _closed(self, conn: HboneTransport) -> None:
+        traffic = self.pi.connections.traffic
+        if conn in self.connections and traffic is not None:
+            traffic.socket_closed("destination")
         self.connections.discard(conn)
         if self.pi.balance is not None:
             self.pi.balance.closed()

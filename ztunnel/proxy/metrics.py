@@ -246,9 +246,22 @@ class TrafficMetrics:
             "istio_tcp_sockets_open", "The current number of open TCP sockets (unstable)", "gauge"
         )
 
+    def socket_opened(self, reporter: str) -> Child:
+        """An accepted socket (upstream ``record_socket_open``): ``istio_tcp_sockets_open{reporter}`` counts the
+        TCP sockets the listeners accepted and have not closed yet: one per HBONE connection however many streams
+        it carries, including one still in its TLS handshake or waiting for xDS, and none for the sockets ztunnel
+        opens itself. ``reporter`` is ``source`` (15001, SOCKS5) or ``destination`` (15006, 15008). Returns the
+        child; the caller takes 1 off its ``value`` when the socket closes (:class:`OpenSocket`)."""
+        child = self.sockets_open.child((("reporter", reporter),))
+        child.value += 1
+        return child
+
+    def socket_closed(self, reporter: str) -> None:
+        """An accepted socket counted by :meth:`socket_opened` closed."""
+        self.sockets_open.child((("reporter", reporter),)).value -= 1
+
     def open(self, labels: Labels) -> ConnectionMetrics:
         self.opened.child(labels).value += 1
-        self.sockets_open.child((("reporter", labels[0][1]),)).value += 1
         return ConnectionMetrics(labels, self.sent.child(labels), self.received.child(labels))
 
     def flush(self, m: ConnectionMetrics, sent: int, received: int) -> None:
@@ -263,7 +276,21 @@ class TrafficMetrics:
             labels = tuple((k, flag.value) if k == "response_flags" else (k, v) for k, v in labels)
             self.failed.child(labels).value += 1
         self.closed.child(labels).value += 1
-        self.sockets_open.child((("reporter", labels[0][1]),)).value -= 1
+
+
+class OpenSocket:
+    """One accepted socket counted in ``istio_tcp_sockets_open`` until :meth:`closed` (idempotent: upstream's
+    ``SocketCloseGuard``)."""
+
+    __slots__ = ("_child",)
+
+    def __init__(self, metrics: TrafficMetrics | None, reporter: str) -> None:
+        self._child = metrics.socket_opened(reporter) if metrics is not None else None
+
+    def closed(self) -> None:
+        child, self._child = self._child, None
+        if child is not None:
+            child.value -= 1
 
 
 class MeteredConnection(Protocol):

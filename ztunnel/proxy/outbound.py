@@ -45,7 +45,7 @@ from ztunnel.proxy.connect import connect_plain
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction, log_failed
 from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.proxy.listener import Listener
-from ztunnel.proxy.metrics import DerivedWorkload
+from ztunnel.proxy.metrics import DerivedWorkload, OpenSocket
 from ztunnel.proxy.pool import WorkloadKey
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.sockets import (
@@ -211,6 +211,7 @@ class Outbound(Listener):
 
     def _accepted(self, plain: PlainConnection) -> None:
         assert plain.transport is not None
+        plain.on_lost = OpenSocket(self.pi.connections.traffic, "source").closed
         sock: socket.socket = plain.transport.get_extra_info("socket")
         set_accepted_options(sock, self.pi.sockets.cfg, keepalive=True)
         src = peer_addr(sock)
