@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ztunnel.config import Config, WorkloadInfo
 from ztunnel.dns import DnsProxy
+from ztunnel.dns.lookup import HostLookup
 from ztunnel.dns.metrics import Metrics as DnsMetrics
 from ztunnel.drain import Drain, DrainMode
 from ztunnel.identity.manager import CertificateProvider
@@ -45,6 +46,15 @@ class ProxyFactory:
     # workers (None: the dedicated proxy; in-pod: the pod's uid and network namespace).
     balance: Callable[[tuple[str, NetnsId] | None], InboundBalance] | None = None
 
+    _host_lookup: HostLookup | None = None
+
+    def host_lookup(self) -> HostLookup:
+        """The process's on-demand DNS resolver (one for every proxy; ztunnel's nameservers and network namespace,
+        as upstream's state resolver)."""
+        if self._host_lookup is None:
+            self._host_lookup = HostLookup.from_resolv_conf(self.host_sockets(), ipv6_enabled=self.config.ipv6_enabled)
+        return self._host_lookup
+
     def dns(self, local: LocalWorkload, sockets: SocketFactory, reuse_port: bool) -> DnsProxy | None:
         """The DNS proxy of one workload (ISTIO_META_DNS_CAPTURE), or None when DNS capture is off."""
         if not self.config.dns_proxy:
@@ -75,6 +85,7 @@ class ProxyFactory:
             connections=ConnectionManager(self.traffic),
             on_demand=self.on_demand,
             balance=self.balance(pod) if self.balance is not None else None,
+            lookup_host=self.host_lookup().lookup_ip,
         )
 
     def socket_config(self) -> SocketConfig:

@@ -245,6 +245,36 @@ class TrafficMetrics:
         self.sockets_open = registry.family(
             "istio_tcp_sockets_open", "The current number of open TCP sockets (unstable)", "gauge"
         )
+        self.on_demand_dns_family = registry.family(
+            "istio_on_demand_dns", "The total number of requests that used on-demand DNS (unstable)"
+        )
+        self._on_demand: dict[tuple[int, str], tuple[Workload, Child]] = {}
+
+    def on_demand_dns(self, source: Workload, hostname: str) -> None:
+        """A connection whose destination was known only by hostname, resolved on demand (upstream
+        ``OnDemandDnsLabels``: the source's labels as upstream sets them, and the hostname)."""
+        # Workloads are not hashable; keyed by identity as the label cache is (the entry keeps the object alive).
+        key = (id(source), hostname)
+        hit = self._on_demand.get(key)
+        if hit is not None and hit[0] is source:
+            hit[1].value += 1
+            return
+        if len(self._on_demand) >= _LABEL_CACHE_SIZE:
+            self._on_demand.clear()
+        labels = (
+            ("source_workload", _v(source.workload_name)),
+            ("source_canonical_service", _v(source.canonical_name)),
+            ("source_canonical_revision", _v(source.canonical_revision)),
+            ("source_workload_namespace", _v(source.namespace)),
+            ("source_principal", _principal(source.identity)),
+            ("source_app", _v(source.canonical_name)),
+            ("source_version", _v(source.canonical_revision)),
+            ("source_cluster", _v(source.cluster_id)),
+            ("hostname", _v(hostname)),
+        )
+        child = self.on_demand_dns_family.child(labels)
+        self._on_demand[key] = (source, child)
+        child.value += 1
 
     def socket_opened(self, reporter: str) -> Child:
         """An accepted socket (upstream ``record_socket_open``): ``istio_tcp_sockets_open{reporter}`` counts the

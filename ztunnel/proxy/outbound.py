@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ztunnel import baggage
+from ztunnel.dns.lookup import pick_address
+from ztunnel.errors import ZtunnelError
 from ztunnel.identity.spiffe import Identity
 from ztunnel.net import format_addr
 from ztunnel.proxy.common import (
@@ -241,7 +243,7 @@ class Outbound(Listener):
             await pi.fetch_address(NetworkAddress(pi.config.network, dst[0]), source.namespace)
             req = build_request(pi.state, source, src[0], dst, pi.config.network, pi.rng, self.hbone_port)
             if req.resolve_hostname is not None:
-                req = await _resolve(req)
+                req = await _resolve(pi, req)
             hbone = req.protocol is OutboundProtocol.HBONE
             dst_wl = req.actual_destination_workload
             record = ConnectionRecord(
@@ -358,19 +360,22 @@ def _is_local(pi: ProxyInputs, ip: IPAddress) -> bool:
     return True
 
 
-async def _resolve(req: Request) -> Request:
-    """Resolve a hostname-only destination with the system resolver, preferring the request's IP family."""
-    assert req.resolve_hostname is not None
-    loop = asyncio.get_running_loop()
+async def _resolve(pi: ProxyInputs, req: Request) -> Request:
+    """Resolve a hostname-only destination (upstream ``resolve_on_demand_dns``): counted in
+    ``istio_on_demand_dns_total``, looked up through ztunnel's resolver (``pi.lookup_host``: its nameservers, with
+    a cache), and one address picked at random, preferring the family the client connected to."""
+    hostname = req.resolve_hostname
+    assert hostname is not None
+    traffic = pi.connections.traffic
+    if traffic is not None:
+        traffic.on_demand_dns(req.source, hostname)
     try:
-        infos = await loop.getaddrinfo(req.resolve_hostname, None, type=socket.SOCK_STREAM)
-    except OSError as e:
-        raise ProxyError(f"dns lookup of {req.resolve_hostname} failed: {e}") from None
-    ips = [ipaddress.ip_address(i[4][0]) for i in infos]
+        ips = await (pi.lookup_host or _system_lookup)(hostname)
+    except (OSError, ZtunnelError) as e:
+        raise ProxyError(f"dns lookup of {hostname} failed: {e}") from None
     if not ips:
-        raise ProxyError(f"dns lookup of {req.resolve_hostname} returned no addresses")
-    want = req.actual_destination[0].version
-    ip = next((i for i in ips if i.version == want), ips[0])
+        raise ProxyError(f"dns lookup of {hostname} returned no addresses")
+    ip = pick_address(ips, req.actual_destination[0].version == 6, pi.rng)
     dst = (ip, req.actual_destination[1])
     target = (ip, req.hbone_target[1]) if req.hbone_target else None
     return Request(
@@ -382,6 +387,12 @@ async def _resolve(req: Request) -> Request:
         req.intended_destination_service,
         req.upstream_sans,
     )
+
+
+async def _system_lookup(hostname: str) -> list[IPAddress]:
+    # Only for proxies built without a resolver (tests building ProxyInputs by hand); ztunnel's always have one.
+    infos = await asyncio.get_running_loop().getaddrinfo(hostname, None, type=socket.SOCK_STREAM)
+    return [ipaddress.ip_address(i[4][0]) for i in infos]
 
 
 __all__ = ["Outbound", "OutboundProtocol", "Request", "build_request", "hbone_headers"]
