@@ -27,6 +27,7 @@ from prometheus_client.samples import Sample
 from ztunnel import __version__
 from ztunnel.config import SocketAddress
 from ztunnel.http import HttpServer
+from ztunnel.telemetry import dropped_lines
 
 log = logging.getLogger("ztunnel.metrics")
 
@@ -146,6 +147,7 @@ class Registry:
             except Exception:  # a broken callback must not break the scrape
                 log.exception("metrics callback failed")
         yield from _process_fds()
+        yield from _log_drops()
 
     def computed(self) -> Iterator[Metric]:
         """The families made at scrape time, in exposition order after our own: callbacks, the process's
@@ -175,6 +177,16 @@ def _process_fds() -> Iterator[Metric]:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     m = Metric("process_max_fds", "Maximum number of open file descriptors.", "gauge")
     m.samples.append(Sample("process_max_fds", {}, float(soft)))
+    yield m
+
+
+def _log_drops() -> Iterator[Metric]:
+    m = Metric(
+        "ztunnel_log_lines_dropped",
+        "Log lines dropped because stdout did not take them fast enough (unstable)",
+        "counter",
+    )
+    m.samples.append(Sample("ztunnel_log_lines_dropped_total", {}, float(dropped_lines())))
     yield m
 
 

@@ -36,6 +36,7 @@ from ztunnel.net import format_addr
 from ztunnel.proxy.common import (
     BAGGAGE_HEADER,
     FORWARDED_HEADER,
+    TRACEPARENT_HEADER,
     X_FORWARDED_NETWORK,
     ProxyError,
     ResponseFlag,
@@ -57,6 +58,7 @@ from ztunnel.sockets import local_dst, peer_addr, set_accepted_options
 from ztunnel.state.service import Service
 from ztunnel.state.upstream import ServiceDescription
 from ztunnel.state.workload import AppTunnelProtocol, IPAddress, NetworkAddress, NetworkMode, Workload
+from ztunnel.telemetry import display, span_id
 
 log = logging.getLogger("ztunnel.proxy.inbound")
 
@@ -341,6 +343,8 @@ class Inbound(Listener):
             src_identity=identity,
             mtls=True,
         )
+        # The access record's span: the client's trace id (its traceparent), as upstream's inbound span.
+        record.span = {"id": span_id(ev.headers.get(TRACEPARENT_HEADER)), "peer": display(format_addr(*src))}
         # Until the stream is up, the source is what its certificate proves. Nothing the peer wrote (baggage)
         # labels a refused stream: each invented value would be a metric series of its own (stricter than upstream).
         record.derived_source = DerivedWorkload(identity=identity)

@@ -69,6 +69,7 @@ from ztunnel.state.upstream import (
     workload_waypoint,
 )
 from ztunnel.state.workload import InboundProtocol, IPAddress, NetworkAddress, Workload
+from ztunnel.telemetry import span_id
 
 log = logging.getLogger("ztunnel.proxy.outbound")
 
@@ -192,12 +193,12 @@ def _from_waypoint(state: ProxyState, dst: Workload, source: Workload, downstrea
     )
 
 
-def hbone_headers(req: Request, src: tuple[IPAddress, int]) -> list[tuple[str, str]]:
+def hbone_headers(req: Request, src: tuple[IPAddress, int], traceparent: str | None = None) -> list[tuple[str, str]]:
     service = req.intended_destination_service
     return [
         (BAGGAGE_HEADER, baggage.workload_baggage(req.source)),
         (FORWARDED_HEADER, forwarded_header(src, service.hostname if service else None)),
-        (TRACEPARENT_HEADER, new_traceparent()),
+        (TRACEPARENT_HEADER, traceparent or new_traceparent()),
     ]
 
 
@@ -300,7 +301,10 @@ class Outbound(Listener):
         pi = self.pi
         assert req.hbone_target is not None
         key = WorkloadKey(req.source.identity, req.upstream_sans, req.actual_destination, src[0])
-        stream = await pi.pool.open_stream(key, format_addr(*req.hbone_target), hbone_headers(req, src))
+        traceparent = new_traceparent()
+        record.span = {"id": span_id(traceparent)}  # upstream's outbound{id}: the trace id it sends
+        headers = hbone_headers(req, src, traceparent)
+        stream = await pi.pool.open_stream(key, format_addr(*req.hbone_target), headers)
         assert stream.response is not None
         try:
             status, _headers = await stream.response
