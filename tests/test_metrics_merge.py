@@ -60,9 +60,13 @@ def body(metrics: Iterable[Metric]) -> bytes:
     return render(metrics)[0]
 
 
+# Per-process values a second process adds its own of: descriptors, the runtime metrics, dropped log lines.
+PER_PROCESS = (FDS, b"ztunnel_event_loop_", b"ztunnel_gc_pause_", b"ztunnel_log_lines_dropped")
+
+
 def without_fds(text: bytes) -> bytes:
-    """The exposition without the live descriptor count (a second process adds its own)."""
-    return b"".join(line for line in text.splitlines(keepends=True) if not line.startswith(FDS))
+    """The exposition without the per-process live values (a second process adds its own)."""
+    return b"".join(line for line in text.splitlines(keepends=True) if not line.startswith(PER_PROCESS))
 
 
 def data_path_traffic(traffic: TrafficMetrics, dns: DnsMetrics) -> None:
