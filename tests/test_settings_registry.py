@@ -210,7 +210,7 @@ WORKER_SETTINGS = {
 def test_the_lists_are_what_the_issues_say() -> None:
     # So a parametrization above cannot shrink silently.
     assert {"LOCALHOST_APP_TUNNEL"} <= {name for name, _ in WARNINGS}
-    assert {"CRL_PATH", "COMPLIANCE_POLICY", "ENABLE_PROXY"} <= {name for name, _ in REFUSALS}
+    assert {"CRL_PATH", "COMPLIANCE_POLICY"} <= {name for name, _ in REFUSALS}
 
 
 @pytest.mark.parametrize(("name", "value"), WORKER_SETTINGS.items())

@@ -108,7 +108,10 @@ class ProxyFactory:
                 proxy.socks5.resolve = dns.resolve
             await dns.start()
         try:
-            await proxy.start()
+            if self.config.enable_proxy:
+                await proxy.start()
+            # ENABLE_PROXY=false (upstream's ProxyFactory without its proxy): the pod gets its DNS proxy only. The
+            # proxy's inputs exist (an empty connection manager, a drain) but no listener is bound in the pod.
         except BaseException:
             if dns is not None:
                 await dns.close()
