@@ -27,6 +27,7 @@ from ztunnel.telemetry import (
     current_level,
     display,
     dropped_lines,
+    enter_span,
     flush_logs,
     log,
     parse_log_filter,
@@ -34,7 +35,7 @@ from ztunnel.telemetry import (
     setup_logging,
     span_id,
 )
-from ztunnel.testing import EchoServer, TwoNodeMesh, socks5_connect
+from ztunnel.testing import EchoServer, TwoNodeMesh, running_app, socks5_connect
 
 
 def flushed(stream: io.StringIO) -> str:
@@ -254,9 +255,14 @@ def test_span_id_is_the_traceparent_trace_id(header: str | None, expect: str | N
         assert got != span_id(header)  # a fresh random id each time
 
 
-def test_access_line_carries_the_span(stream: io.StringIO) -> None:
-    for fmt_json in (False, True):
-        setup_logging("info", json_format=fmt_json, stream=stream)
+def test_lines_in_a_span_carry_it_but_access_lines_do_not(stream: io.StringIO) -> None:
+    """Upstream writes a task's lines within its span (``scope:inbound{id=.. peer=..}``, a JSON object), and the
+    access log outside any span (``parent: None``)."""
+
+    async def one_connection(fmt_json: bool) -> None:
+        setup_logging("debug", json_format=fmt_json, stream=stream)
+        enter_span("inbound", {"id": span_id(f"00-{TRACE_ID}-00f067aa0ba902b7-01"), "peer": display("10.0.0.1:1234")})
+        log(logging.getLogger("ztunnel.proxy.inbound"), logging.DEBUG, "received request", authority="10.0.0.2:80")
         manager = ConnectionManager()
         record = ConnectionRecord(
             direction=Direction.INBOUND,
@@ -264,13 +270,48 @@ def test_access_line_carries_the_span(stream: io.StringIO) -> None:
             dst=(ipaddress.ip_address("10.0.0.2"), 15008),
             mtls=True,
         )
-        record.span = {"id": span_id(f"00-{TRACE_ID}-00f067aa0ba902b7-01"), "peer": display("10.0.0.1:1234")}
         manager.register(record)
         manager.release(record, ResponseFlag.NONE, None)
-    plain, js = flushed(stream).splitlines()
-    # Upstream: "access:inbound{id=<trace id> peer=<addr>}" as the scope of the plain line.
-    assert plain.split("\t")[2] == f"access:inbound{{id={TRACE_ID} peer=10.0.0.1:1234}}"
-    assert json.loads(js)["inbound"] == {"id": TRACE_ID, "peer": "10.0.0.1:1234"}
+
+    async def outside() -> None:
+        logging.getLogger("ztunnel.proxy.inbound").debug("no span here")
+
+    async def both(fmt_json: bool) -> None:
+        await asyncio.gather(one_connection(fmt_json), outside())  # each a task: the span is the first's alone
+
+    asyncio.run(both(False))
+    asyncio.run(both(True))
+    lines = flushed(stream).splitlines()
+    plain = [line.split("\t") for line in lines if not line.startswith("{")]
+    scopes = {p[3]: p[2] for p in plain}
+    assert scopes["received request"] == f"ztunnel::proxy::inbound:inbound{{id={TRACE_ID} peer=10.0.0.1:1234}}"
+    assert scopes["connection complete"] == "access"
+    assert scopes["no span here"] == "ztunnel::proxy::inbound"
+    records = {r["message"]: r for r in map(json.loads, (line for line in lines if line.startswith("{")))}
+    assert records["received request"]["inbound"] == {"id": TRACE_ID, "peer": "10.0.0.1:1234"}
+    assert "inbound" not in records["connection complete"] and "inbound" not in records["no span here"]
+
+
+async def test_both_ztunnels_log_a_connection_under_one_trace_id(tmp_path: Path, stream: io.StringIO) -> None:
+    """The outbound ztunnel's span id is the trace id of the traceparent it sends; the inbound one takes it from
+    that header: one id across both ends of a connection."""
+    setup_logging("info,ztunnel::proxy::outbound=debug,ztunnel::proxy::inbound=debug", stream=stream)
+    m = TwoNodeMesh(tmp_path)
+    echo = await EchoServer().start(*m.server_app)
+    try:
+        async with running_app(m.env_a()), running_app(m.env_b()):
+            reader, writer = await m.socks5()
+            writer.write(b"ping")
+            assert await asyncio.wait_for(reader.readexactly(4), 10) == b"ping"
+            writer.close()
+    finally:
+        await echo.stop()
+    lines = [line.split("\t") for line in flushed(stream).splitlines()]
+    started = [p[2] for p in lines if p[3] == "connection started"]
+    received = [p[2] for p in lines if p[3] == "received request"]
+    assert len(started) == 1 and len(received) == 1, (started, received)
+    (trace_id,) = re.findall(r"^ztunnel::proxy::outbound:outbound\{id=([0-9a-f]{32})\}$", started[0])
+    assert re.fullmatch(rf"ztunnel::proxy::inbound:inbound\{{id={trace_id} peer=[0-9.]+:\d+\}}", received[0])
 
 
 # -- logs never block: a bounded queue and a writer thread --------------------------------------------------------

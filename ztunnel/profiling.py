@@ -29,6 +29,8 @@ import tracemalloc
 from dataclasses import dataclass
 from types import FrameType
 
+from ztunnel.errors import ZtunnelError
+
 DEFAULT_SECONDS = 10
 MAX_SECONDS = 300
 DEFAULT_FREQUENCY = 100
@@ -38,7 +40,7 @@ HEAP_FRAMES = 8  # frames of traceback tracemalloc keeps per allocation, when pr
 NOT_ACTIVE = "heap profiling not active; activate with /debug/pprof/heap/profiling?activate=true"
 
 
-class ProfileError(ValueError):
+class ProfileError(ZtunnelError, ValueError):
     """A bad parameter (the admin answers 400 with this message), or heap profiling is off."""
 
 

@@ -5,10 +5,15 @@ Plain lines are ``<RFC3339 UTC>\\t<level>\\t<scope>\\t<message>\\t<k=v ...>`` an
 the way upstream writes its tracing targets (``ztunnel::proxy::inbound``); access logs use the scope ``access``.
 
 Structured fields are passed as ``extra={"fields": {...}}`` (see :func:`log`), so the call site pays nothing for
-formatting when the level is off: call sites on hot paths check ``logger.isEnabledFor`` first. A record may carry
-a span, as upstream's tracing spans: ``inbound{id=<trace id> peer=<addr>}`` after the scope in plain lines, an
-``"inbound": {...}`` object in JSON lines; the access log's span id is the trace id of the connection's
-``traceparent`` (:func:`span_id`).
+formatting when the level is off: call sites on hot paths check ``logger.isEnabledFor`` first.
+
+**Spans**, as upstream's tracing spans: a connection's task enters one (:func:`enter_span`: ``inbound{id, peer}``,
+``outbound{id}``), and every line logged from that task carries it: ``scope:inbound{id=<trace id> peer=<addr>}`` in
+plain lines, an ``"inbound": {...}`` object in JSON lines. The id is the trace id of the connection's
+``traceparent`` (:func:`span_id`): inbound, the one the client sent, so both ztunnels' lines of a connection share
+it. The span lives in a context variable, which each asyncio task copies when it is created, so concurrent
+connections never see each other's. Access-log lines (scope ``access``) are written outside any span, as upstream
+writes them (``parent: None``).
 
 **Logs never block the data path** (upstream ``telemetry/nonblocking.rs``): a line is formatted where it is logged
 and put on a bounded queue (:data:`BUFFERED_LINES_LIMIT`, 128,000 lines, upstream's); a writer thread writes it to
@@ -22,6 +27,7 @@ lines).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import datetime as _dt
 import errno
 import json
@@ -291,6 +297,25 @@ def span_id(traceparent: str | None) -> Display:
     return Display(f"{_span_rng.getrandbits(128):032x}")  # written bare, as upstream's %id
 
 
+_current_span: contextvars.ContextVar[Span | None] = contextvars.ContextVar("ztunnel_log_span", default=None)
+
+
+def enter_span(name: str, fields: Mapping[str, Any]) -> None:
+    """Log everything the current task logs from now on within the span ``name{fields}`` (a connection's task calls
+    it once, at its start; the task's context ends with it)."""
+    _current_span.set((name, fields))
+
+
+class _SpanFilter(logging.Filter):
+    """Attaches the current task's span to each record, except access-log lines (upstream: ``parent: None``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        span = _current_span.get()
+        if span is not None and record.name != "access" and not hasattr(record, "span"):
+            record.span = span
+        return True
+
+
 def _plain_span(span: Span | None) -> str:
     if span is None:
         return ""
@@ -317,6 +342,7 @@ class NonBlockingHandler(logging.Handler):
 
     def __init__(self, stream: TextIO, limit: int = BUFFERED_LINES_LIMIT) -> None:
         super().__init__()
+        self.addFilter(_SpanFilter())
         self.stream = stream
         self.limit = limit
         try:
@@ -512,12 +538,6 @@ def log(logger: logging.Logger, level: int, message: str, **fields: Any) -> None
         logger.log(level, message, extra={"fields": fields})
 
 
-def log_in_span(logger: logging.Logger, level: int, message: str, span: Span | None, fields: Mapping[str, Any]) -> None:
-    """:func:`log` within ``span`` (its name and fields), as upstream's events inside a tracing span."""
-    if logger.isEnabledFor(level):
-        logger.log(level, message, extra={"fields": fields, "span": span})
-
-
 def get_logger(module: str) -> logging.Logger:
     """The logger for a ztunnel module (``ztunnel.proxy.inbound`` prints as ``ztunnel::proxy::inbound``)."""
     return logging.getLogger(module)
@@ -535,10 +555,10 @@ __all__ = [
     "current_level",
     "display",
     "dropped_lines",
+    "enter_span",
     "flush_logs",
     "get_logger",
     "log",
-    "log_in_span",
     "parse_log_filter",
     "set_level",
     "setup_logging",

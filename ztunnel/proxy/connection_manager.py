@@ -30,7 +30,7 @@ from ztunnel.rbac import Connection
 from ztunnel.state import ProxyState, StateChange
 from ztunnel.state.upstream import ServiceDescription
 from ztunnel.state.workload import IPAddress, Workload
-from ztunnel.telemetry import display, log_in_span
+from ztunnel.telemetry import display
 from ztunnel.telemetry import log as log_fields
 
 access = logging.getLogger("access")
@@ -73,8 +73,6 @@ class ConnectionRecord:
     # Set when ztunnel closed the connection itself: the flag and error the access log reports.
     forced: tuple[ResponseFlag, str] | None = None
     metrics: ConnectionMetrics | None = None
-    # The access log's span fields (upstream's ``inbound{id, peer}`` / ``outbound{id}``): id is the trace id.
-    span: dict[str, object] | None = None
 
     @property
     def reporter(self) -> str:
@@ -202,8 +200,7 @@ class ConnectionManager:
         fields["duration"] = f"{int((time.monotonic() - record.started) * 1000)}ms"
         if error is not None:
             fields["error"] = error
-        span = (record.direction.value, record.span) if record.span is not None else None
-        log_in_span(access, level, "connection complete", span, fields)
+        log_fields(access, level, "connection complete", **fields)
 
     def close(self, record: ConnectionRecord, flag: ResponseFlag, reason: str) -> None:
         """Close one connection now; its access log line reports ``flag`` and ``reason``."""

@@ -58,7 +58,8 @@ from ztunnel.sockets import local_dst, peer_addr, set_accepted_options
 from ztunnel.state.service import Service
 from ztunnel.state.upstream import ServiceDescription
 from ztunnel.state.workload import AppTunnelProtocol, IPAddress, NetworkAddress, NetworkMode, Workload
-from ztunnel.telemetry import display, span_id
+from ztunnel.telemetry import display, enter_span, span_id
+from ztunnel.telemetry import log as log_fields
 
 log = logging.getLogger("ztunnel.proxy.inbound")
 
@@ -343,8 +344,10 @@ class Inbound(Listener):
             src_identity=identity,
             mtls=True,
         )
-        # The access record's span: the client's trace id (its traceparent), as upstream's inbound span.
-        record.span = {"id": span_id(ev.headers.get(TRACEPARENT_HEADER)), "peer": display(format_addr(*src))}
+        # This stream's task logs within upstream's inbound span: the client's trace id (its traceparent).
+        enter_span("inbound", {"id": span_id(ev.headers.get(TRACEPARENT_HEADER)), "peer": display(format_addr(*src))})
+        if log.isEnabledFor(logging.DEBUG):
+            log_fields(log, logging.DEBUG, "received request", authority=display(ev.authority), identity=str(identity))
         # Until the stream is up, the source is what its certificate proves. Nothing the peer wrote (baggage)
         # labels a refused stream: each invented value would be a metric series of its own (stricter than upstream).
         record.derived_source = DerivedWorkload(identity=identity)

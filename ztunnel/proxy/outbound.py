@@ -69,7 +69,8 @@ from ztunnel.state.upstream import (
     workload_waypoint,
 )
 from ztunnel.state.workload import InboundProtocol, IPAddress, NetworkAddress, Workload
-from ztunnel.telemetry import span_id
+from ztunnel.telemetry import enter_span, span_id
+from ztunnel.telemetry import log as log_fields
 
 log = logging.getLogger("ztunnel.proxy.outbound")
 
@@ -231,6 +232,11 @@ class Outbound(Listener):
         """Carry ``plain`` to ``dst``. ``ready`` (SOCKS5) hears once the tunnel is up, or why it failed."""
         pi = self.pi
         record: ConnectionRecord | None = None
+        # Upstream's outbound span (this task's log lines): the trace id of the traceparent sent over HBONE.
+        traceparent = new_traceparent()
+        enter_span("outbound", {"id": span_id(traceparent)})
+        if log.isEnabledFor(logging.DEBUG):
+            log_fields(log, logging.DEBUG, "connection started", component="outbound")
         try:
             if dst[1] in pi.config.illegal_ports and (dst[0].is_loopback or _is_local(pi, dst[0])):
                 raise ProxyError(
@@ -264,7 +270,7 @@ class Outbound(Listener):
                 original_dst=dst,
             )
             if hbone:
-                await self._hbone(plain, src, req, record, ready)
+                await self._hbone(plain, src, req, record, ready, traceparent)
             else:
                 await self._tcp(plain, req, record, ready)
         except ProxyError as e:
@@ -297,12 +303,11 @@ class Outbound(Listener):
         req: Request,
         record: ConnectionRecord,
         ready: Callable[[ProxyError | None], None] | None,
+        traceparent: str,
     ) -> None:
         pi = self.pi
         assert req.hbone_target is not None
         key = WorkloadKey(req.source.identity, req.upstream_sans, req.actual_destination, src[0])
-        traceparent = new_traceparent()
-        record.span = {"id": span_id(traceparent)}  # upstream's outbound{id}: the trace id it sends
         headers = hbone_headers(req, src, traceparent)
         stream = await pi.pool.open_stream(key, format_addr(*req.hbone_target), headers)
         assert stream.response is not None
