@@ -367,7 +367,7 @@ def test_lines_are_written_whole_and_in_order() -> None:
 def test_stalled_stdout_does_not_stall_tunnels(tmp_path: Path) -> None:
     """A ztunnel (control process and workers) whose stdout is a pipe nobody reads, with access logs at debug (two
     lines per connection): 400 connections through it all complete. Before, the first ~64 KiB of log lines filled
-    the pipe and the next write blocked the event loop: connections stopped at about the 100th."""
+    the pipe and the next write blocked the event loop: the 118th connection stalled (measured)."""
     m = TwoNodeMesh(tmp_path)
     env = {"PATH": os.environ.get("PATH", ""), **m.env_a(RUST_LOG="info,access=debug")}
     proc = subprocess.Popen(
