@@ -145,9 +145,22 @@ async def test_profile_of_every_process_while_traffic_runs(tmp_path: Path) -> No
                 await asyncio.sleep(0.05)
             stop.set()
             await asyncio.wait_for(task, 30)
+        # The heap of every process too: switched on in each, over the same channel.
+        toggled = await acall(m.node_a, "/debug/pprof/heap/profiling?activate=true")
+        heap = await acall(m.node_a, "/debug/pprof/heap")
+        off = await acall(m.node_a, "/debug/pprof/heap/profiling?activate=false")
     finally:
         a.stop()
         await echo.stop()
+    assert toggled == (200, "".join(f"{p}: heap profiling active: true\n" for p in ("control", "worker-0", "worker-1")))
+    assert heap[0] == 200 and {
+        line.split()[1].rstrip(":") for line in heap[1].splitlines() if line.startswith("#")
+    } == {
+        "control",
+        "worker-0",
+        "worker-1",
+    }
+    assert off[1].count("heap profiling active: false") == 3
     assert status == 200, body
     stacks = folded_lines(body)
     assert {s[0] for s, _ in stacks} == {"control", "worker-0", "worker-1"}
