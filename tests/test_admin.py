@@ -17,7 +17,8 @@ from cryptography import x509
 
 from ztunnel.config import from_env
 from ztunnel.dns.forwarder import ResolvConf
-from ztunnel.testing import EchoServer, TwoNodeMesh, running_app
+from ztunnel.tasks import spawn
+from ztunnel.testing import EchoServer, TwoNodeMesh, ZtunnelProcess, running_app
 
 SCHEMA = json.loads((Path(__file__).parent / "config_dump.schema.json").read_text())
 
@@ -105,13 +106,118 @@ async def test_logging_endpoint(tmp_path: Path) -> None:
         assert (await acall(m.node_a, "/nope"))[0] == 404
 
 
-async def test_profiling_endpoints_are_absent(tmp_path: Path) -> None:
-    # Upstream serves pprof CPU and heap profiles here; they are not implemented (docs/compatibility.md): a clear
-    # 404, never a page that looks like a profile.
+def folded_lines(body: str) -> list[tuple[list[str], int]]:
+    """A folded-stack profile: (frames root first, samples) per line; comment lines (``#``) skipped."""
+    out = []
+    for line in body.splitlines():
+        if line.startswith("#"):
+            continue
+        stack, _, count = line.rpartition(" ")
+        out.append((stack.split(";"), int(count)))
+    return out
+
+
+async def test_profile_of_every_process_while_traffic_runs(tmp_path: Path) -> None:
+    """/debug/pprof/profile of a ztunnel with two worker processes, while tunnels carry bytes through it: stacks of
+    the control process and of both workers (asked over their channel), the workers' showing the data path; and
+    the traffic went on throughout (every transfer complete and intact)."""
+    m = TwoNodeMesh(tmp_path)
+    echo = await EchoServer().start(*m.server_app)
+    a = ZtunnelProcess(m.env_a(ZTUNNEL_WORKER_THREADS="2"), tmp_path / "a.log").start()
+    stop = asyncio.Event()
+    done = 0
+
+    async def traffic() -> None:
+        nonlocal done
+        while not stop.is_set():
+            reader, writer = await m.socks5()
+            for _ in range(20):
+                writer.write(b"z" * 65536)
+                assert len(await asyncio.wait_for(reader.readexactly(65536), 10)) == 65536
+            writer.close()
+            done += 1
+
+    try:
+        async with running_app(m.env_b()):
+            task = spawn(traffic(), "test traffic")
+            while done < 1:
+                await asyncio.sleep(0.05)
+            status, body = await acall(m.node_a, "/debug/pprof/profile?seconds=2&frequency=200")
+            during = done
+            while done < during + 1:  # still flowing after the profile
+                await asyncio.sleep(0.05)
+            stop.set()
+            await asyncio.wait_for(task, 30)
+        # The heap of every process too: switched on in each, over the same channel.
+        toggled = await acall(m.node_a, "/debug/pprof/heap/profiling?activate=true")
+        heap = await acall(m.node_a, "/debug/pprof/heap")
+        off = await acall(m.node_a, "/debug/pprof/heap/profiling?activate=false")
+    finally:
+        a.stop()
+        await echo.stop()
+    assert toggled == (200, "".join(f"{p}: heap profiling active: true\n" for p in ("control", "worker-0", "worker-1")))
+    assert heap[0] == 200 and {
+        line.split()[1].rstrip(":") for line in heap[1].splitlines() if line.startswith("#")
+    } == {
+        "control",
+        "worker-0",
+        "worker-1",
+    }
+    assert off[1].count("heap profiling active: false") == 3
+    assert status == 200, body
+    stacks = folded_lines(body)
+    assert {s[0] for s, _ in stacks} == {"control", "worker-0", "worker-1"}
+    # ~2 s at 200 Hz of each process's main thread: samples, not a handful.
+    for process in ("control", "worker-0", "worker-1"):
+        assert sum(n for s, n in stacks if s[0] == process and s[1] == "MainThread") > 100, process
+    data_path = [s for s, _ in stacks if s[0].startswith("worker-") and any(f.startswith("ztunnel.proxy") for f in s)]
+    assert data_path, "no sample of the workers' data path"
+
+
+async def test_profile_parameters_are_bounded(tmp_path: Path) -> None:
     m = TwoNodeMesh(tmp_path)
     async with running_app(m.env_a()):
-        for path in ("/debug/pprof/profile", "/debug/pprof/heap", "/debug/pprof/heap/profiling?activate=true"):
-            assert (await acall(m.node_a, path))[0] == 404, path
+        for query, why in (
+            ("seconds=0", "invalid seconds value; expected 1-300"),
+            ("seconds=301", "invalid seconds value; expected 1-300"),
+            ("seconds=x", "invalid seconds value; expected 1-300"),
+            ("seconds=1&frequency=1001", "invalid frequency value; expected 1-1000"),
+        ):
+            assert await acall(m.node_a, f"/debug/pprof/profile?{query}") == (400, why + "\n"), query
+        # The inline data plane is this process: there is no worker to profile.
+        status, _ = await acall(m.node_a, "/debug/pprof/profile?seconds=1&process=worker-0")
+        assert status == 404
+        status, body = await acall(m.node_a, "/debug/pprof/profile?seconds=1&frequency=50")
+        assert status == 200 and {s[0] for s, _ in folded_lines(body)} == {"control"}
+
+
+async def test_heap_snapshot_after_activation(tmp_path: Path) -> None:
+    m = TwoNodeMesh(tmp_path)
+    async with running_app(m.env_a()):
+        assert await acall(m.node_a, "/debug/pprof/heap") == (
+            500,
+            "heap profiling not active; activate with /debug/pprof/heap/profiling?activate=true\n",
+        )
+        assert await acall(m.node_a, "/debug/pprof/heap/profiling?activate=maybe") == (
+            400,
+            "invalid activate value 'maybe'; expected true or false\n",
+        )
+        try:
+            assert await acall(m.node_a, "/debug/pprof/heap/profiling?activate=true") == (
+                200,
+                "control: heap profiling active: true\n",
+            )
+            kept = [bytearray(1000) for _ in range(2000)]  # 2 MB allocated here, while tracing
+            status, body = await acall(m.node_a, "/debug/pprof/heap")
+            assert status == 200
+            here = [line for line in body.splitlines() if "test_admin.py" in line]
+            assert here and int(here[0].split()[1]) >= 2_000_000, body[:2000]
+            del kept
+        finally:
+            assert await acall(m.node_a, "/debug/pprof/heap/profiling?activate=false") == (
+                200,
+                "control: heap profiling active: false\n",
+            )
 
 
 async def test_connections_endpoint(tmp_path: Path) -> None:

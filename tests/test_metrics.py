@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from ztunnel.metrics import Registry, encode
-from ztunnel.testing import EchoServer, TwoNodeMesh, running_app
+from ztunnel.testing import EchoServer, TwoNodeMesh, ZtunnelProcess, running_app
 
 STABLE = {
     "istio_build",
@@ -304,3 +304,91 @@ async def test_long_lived_connection_bytes_scraped_before_close(
             assert [s.value for s in a["istio_tcp_connections_closed"]] == [1]
     finally:
         await echo.stop()
+
+
+async def test_sockets_open_counts_accepted_sockets(tmp_path: Path) -> None:
+    """``istio_tcp_sockets_open`` as upstream: accepted sockets, not proxied connections. Two SOCKS5 tunnels share
+    one pooled HBONE connection, so node B has accepted one socket for both; a plain TCP socket on B's 15008 that
+    never starts TLS is an accepted socket too. All back to 0 once closed."""
+    m = TwoNodeMesh(tmp_path)
+    echo = await EchoServer().start(*m.server_app)
+
+    async def sockets(node: str, want: dict[str, float]) -> None:
+        got: dict[str, float] = {}
+        for _ in range(100):
+            scraped = samples((await asyncio.to_thread(scrape, node))[0])
+            got = {s.labels["reporter"]: s.value for s in scraped.get("istio_tcp_sockets_open", [])}
+            if got == want:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{node}: istio_tcp_sockets_open {got}, want {want}")
+
+    try:
+        async with running_app(m.env_a()), running_app(m.env_b()):
+            tunnels = [await m.socks5() for _ in range(2)]
+            for reader, writer in tunnels:
+                writer.write(b"ping")
+                assert await asyncio.wait_for(reader.readexactly(4), 10) == b"ping"
+            await sockets(m.node_a, {"source": 2})
+            await sockets(m.node_b, {"destination": 1})
+            _, raw = await asyncio.open_connection(m.node_b, 15008)
+            await sockets(m.node_b, {"destination": 2})
+            raw.close()
+            for _, writer in tunnels:
+                writer.close()
+            await sockets(m.node_a, {"source": 0})
+            await sockets(m.node_b, {"destination": 1})  # the pooled HBONE connection stays open
+    finally:
+        await echo.stop()
+
+
+def hist(fams: dict[str, list[Any]], name: str) -> tuple[float, dict[str, float]]:
+    """(_count, {le: cumulative count}) of a histogram family summed over its label sets."""
+    count = sum(s.value for s in fams.get(name, []) if s.name == name + "_count")
+    buckets: dict[str, float] = {}
+    for s in fams.get(name, []):
+        if s.name == name + "_bucket":
+            buckets[s.labels["le"]] = buckets.get(s.labels["le"], 0.0) + s.value
+    return count, buckets
+
+
+async def test_runtime_metrics_see_a_blocked_loop_and_gc(tmp_path: Path) -> None:
+    """In place of upstream's tokio_* metrics: the event loop's lag (a 400 ms block shows as a late timer), its
+    tasks, and garbage-collection pauses."""
+    import gc
+    import time
+
+    m = TwoNodeMesh(tmp_path)
+    async with running_app(m.env_a()):
+        await asyncio.sleep(0.6)
+        before = samples((await asyncio.to_thread(scrape, m.node_a))[0])
+        count, buckets = hist(before, "ztunnel_event_loop_lag_seconds")
+        assert count >= 1 and "unstable" in before["#help:ztunnel_event_loop_lag_seconds"][0]
+        assert before["ztunnel_event_loop_tasks"][0].value >= 1
+        late_before = count - buckets["0.25"]
+        gc_before, _ = hist(before, "ztunnel_gc_pause_seconds")
+        time.sleep(0.4)  # noqa: ASYNC251 - the point: hold the event loop, as a blocking call would
+        gc.collect()
+        await asyncio.sleep(0.6)
+        after = samples((await asyncio.to_thread(scrape, m.node_a))[0])
+    count, buckets = hist(after, "ztunnel_event_loop_lag_seconds")
+    assert count - buckets["0.25"] == late_before + 1  # one timer fired more than 250 ms late
+    gc_after, _ = hist(after, "ztunnel_gc_pause_seconds")
+    assert gc_after >= gc_before + 1
+    assert {s.labels["generation"] for s in after["ztunnel_gc_pause_seconds"] if "generation" in s.labels} >= {"2"}
+
+
+async def test_runtime_metrics_of_every_process(tmp_path: Path) -> None:
+    """With worker processes, /metrics sums every process's runtime metrics: the control process and two workers
+    each probe their own loop (4 probes a second each)."""
+    m = TwoNodeMesh(tmp_path)
+    a = ZtunnelProcess(m.env_a(ZTUNNEL_WORKER_THREADS="2"), tmp_path / "a.log").start()
+    try:
+        await asyncio.sleep(1.0)
+        scraped = samples((await asyncio.to_thread(scrape, m.node_a))[0])
+    finally:
+        a.stop()
+    count, _ = hist(scraped, "ztunnel_event_loop_lag_seconds")
+    assert count >= 3 * 3, count  # at least 3 probes from each of 3 loops
+    assert scraped["ztunnel_event_loop_tasks"][0].value >= 3
+    assert [s.value for s in scraped["ztunnel_log_lines_dropped"]] == [0]

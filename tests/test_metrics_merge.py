@@ -60,9 +60,13 @@ def body(metrics: Iterable[Metric]) -> bytes:
     return render(metrics)[0]
 
 
+# Per-process values a second process adds its own of: descriptors, the runtime metrics, dropped log lines.
+PER_PROCESS = (FDS, b"ztunnel_event_loop_", b"ztunnel_gc_pause_", b"ztunnel_log_lines_dropped")
+
+
 def without_fds(text: bytes) -> bytes:
-    """The exposition without the live descriptor count (a second process adds its own)."""
-    return b"".join(line for line in text.splitlines(keepends=True) if not line.startswith(FDS))
+    """The exposition without the per-process live values (a second process adds its own)."""
+    return b"".join(line for line in text.splitlines(keepends=True) if not line.startswith(PER_PROCESS))
 
 
 def data_path_traffic(traffic: TrafficMetrics, dns: DnsMetrics) -> None:
@@ -75,6 +79,7 @@ def data_path_traffic(traffic: TrafficMetrics, dns: DnsMetrics) -> None:
     c = traffic.open(plain)
     traffic.close(c, 0, 10, ResponseFlag.CONNECT)
     traffic.flush(traffic.open(ok), 5, 7)
+    traffic.socket_opened("source")  # its accepted socket
     labels = DnsLabels.of(1, "udp", SRC)
     dns.request(labels)
     dns.request(DnsLabels.of(28, "tcp", None))
@@ -206,6 +211,7 @@ def test_an_exited_worker_keeps_its_counters_and_loses_its_gauges() -> None:
     # A new worker 0 starts from zero: the totals go on from what the old one counted.
     w0b, t0b, _ = worker_registry("1.0")
     t0b.open(traffic_labels("source", SRC, None, DST, SVC, True, ResponseFlag.NONE))
+    t0b.socket_opened("source")
     merger.update(0, Snapshot(snapshot(w0b).families, pid=-1, cpu_seconds=0.5))
     again = {m.name: m for m in merger.families(snapshot(control))}
     opened = {tuple(s.labels.items()): s.value for s in again["istio_tcp_connections_opened"].samples}
@@ -234,6 +240,7 @@ def test_per_worker_families_are_unstable_and_ordered_by_worker() -> None:
         reg, traffic, _ = worker_registry("1.0")
         for _ in range(n):
             traffic.open(traffic_labels("destination", SRC, None, DST, SVC, True, ResponseFlag.NONE))
+            traffic.socket_opened("destination")
         workers[i] = snapshot(reg)
     text = body(merge(EMPTY, workers)).decode()
     fams = {f.name: f for f in text_string_to_metric_families(text)}

@@ -211,7 +211,7 @@ def test_the_lists_are_what_the_issues_say() -> None:
     # So a parametrization above cannot shrink silently.
     # Issue 18: LOCALHOST_APP_TUNNEL routes the PROXY app tunnel now (tests/proxy/test_app_tunnel.py), so it is quiet.
     assert "LOCALHOST_APP_TUNNEL" not in {name for name, _ in WARNINGS}
-    assert {"COMPLIANCE_POLICY", "ENABLE_PROXY"} <= {name for name, _ in REFUSALS}
+    assert {"COMPLIANCE_POLICY"} <= {name for name, _ in REFUSALS}
 
 
 @pytest.mark.parametrize(("name", "value"), WORKER_SETTINGS.items())

@@ -6,6 +6,9 @@
 * ``/logging``: POST ``?level=info`` / ``?level=access=debug,warn`` / ``?reset`` changes log levels at run time;
 * ``/quitquitquit``: POST starts a graceful drain and answers once it finished (or the deadline passed);
 * ``/connections`` (this project's addition): the open connections, live, as JSON;
+* ``/debug/pprof/profile``, ``/debug/pprof/heap``, ``/debug/pprof/heap/profiling``: upstream's profiling endpoints,
+  the Python analogue (:mod:`ztunnel.profiling`), of this process and of every data-plane worker (asked over the
+  worker channel with a ``Profile`` message; each samples itself on a thread, so no event loop stops);
 * ``/``: an index of the above.
 
 Only reachable on localhost (upstream binds 127.0.0.1 and ::1).
@@ -24,7 +27,7 @@ from typing import Any, TypeVar
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from ztunnel import __version__, telemetry
+from ztunnel import __version__, profiling, telemetry
 from ztunnel.config import Config, SocketAddress
 from ztunnel.dns.forwarder import ResolvConf
 from ztunnel.http import HttpServer
@@ -38,6 +41,8 @@ from ztunnel.state.workload import GatewayAddress, NamespacedHostname, Workload
 
 log = logging.getLogger("ztunnel.admin")
 T = TypeVar("T")
+# (kind, seconds, frequency, activate) -> each worker's ("worker-<i>", answer): the supervisor's ``profile``.
+ProfileWorkers = Callable[[str, int, int, bool | None], Awaitable[list[tuple[str, Any]]]]
 
 INDEX = """<!doctype html><html><head><title>ztunnel admin</title></head><body>
 <h1>ztunnel admin</h1><ul>
@@ -45,6 +50,10 @@ INDEX = """<!doctype html><html><head><title>ztunnel admin</title></head><body>
 <li><a href="/connections">/connections</a>: open connections</li>
 <li>/logging (POST): <code>?level=&lt;filter&gt;</code> or <code>?reset</code></li>
 <li>/quitquitquit (POST): graceful shutdown</li>
+<li><a href="/debug/pprof/profile?seconds=10">/debug/pprof/profile</a>: CPU profile of every process
+(<code>?seconds=1-300&amp;frequency=1-1000&amp;process=all|control|worker-N</code>), folded stacks</li>
+<li><a href="/debug/pprof/heap">/debug/pprof/heap</a>: live Python allocations by line (after
+<code>/debug/pprof/heap/profiling?activate=true</code>)</li>
 </ul></body></html>
 """
 
@@ -246,6 +255,7 @@ class AdminServer:
         local_config: LocalConfig | None = None,
         workload_state: Callable[[], Mapping[str, Any] | Awaitable[Mapping[str, Any]]] | None = None,
         log_level: Callable[[bool, str], None] | None = None,
+        profile_workers: ProfileWorkers | None = None,
     ) -> None:
         self.config = config
         self.state = state
@@ -256,6 +266,9 @@ class AdminServer:
         self.workload_state = workload_state
         # Told of every log filter change made here (the worker processes apply it too).
         self.log_level = log_level
+        # Asks the data-plane workers to profile themselves (the supervisor's ``profile``); None: inline data plane.
+        self.profile_workers = profile_workers
+        self._profiling = False
         # The resolver config is read once, as upstream reads it at start (and a missing file warns once).
         self.resolver = ResolvConf.load().to_json()
         self._http: HttpServer | None = None
@@ -314,8 +327,52 @@ class AdminServer:
             await self.shutdown()
             return web.Response(text="shutdown now\n")
 
+        async def pprof_profile(request: web.Request) -> web.Response:
+            q = request.query
+            try:
+                seconds, frequency = profiling.parse_profile_params(q.get("seconds"), q.get("frequency"))
+            except profiling.ProfileError as e:
+                return web.Response(status=400, text=f"{e}\n")
+            if self._profiling:
+                return web.Response(status=503, text="a CPU profile is already being taken; try again later\n")
+            self._profiling = True
+            try:
+                results = await self._profile(q.get("process", "all"), "cpu", seconds, frequency)
+            finally:
+                self._profiling = False
+            if isinstance(results, web.Response):
+                return results
+            failed = [f"{name}: {v.error}" for name, v in results if isinstance(v, profiling.ProfileFailed)]
+            body = profiling.folded([v for _, v in results if isinstance(v, dict)])
+            return web.Response(text=body + "".join(f"# {f}\n" for f in failed), content_type="text/plain")
+
+        async def pprof_heap(request: web.Request) -> web.Response:
+            results = await self._profile(request.query.get("process", "all"), "heap")
+            if isinstance(results, web.Response):
+                return results
+            failed = [v.error for _, v in results if isinstance(v, profiling.ProfileFailed)]
+            if failed and len(failed) == len(results):
+                return web.Response(status=500, text=f"{failed[0]}\n")
+            text = "".join(v for _, v in results if isinstance(v, str))
+            text += "".join(f"# {name}: {v.error}\n" for name, v in results if isinstance(v, profiling.ProfileFailed))
+            return web.Response(text=text, content_type="text/plain")
+
+        async def pprof_heap_toggle(request: web.Request) -> web.Response:
+            raw = request.query.get("activate")
+            if raw not in (None, "true", "false"):
+                return web.Response(status=400, text=f"invalid activate value {raw!r}; expected true or false\n")
+            activate = None if raw is None else raw == "true"
+            results = await self._profile(request.query.get("process", "all"), "heap-profiling", activate=activate)
+            if isinstance(results, web.Response):
+                return results
+            text = "".join(f"{name}: heap profiling active: {str(v).lower()}\n" for name, v in results)
+            return web.Response(text=text)
+
         app = web.Application()
         app.router.add_get("/", index)
+        app.router.add_get("/debug/pprof/profile", pprof_profile)
+        app.router.add_get("/debug/pprof/heap", pprof_heap)
+        app.router.add_route("*", "/debug/pprof/heap/profiling", pprof_heap_toggle)
         app.router.add_get("/config_dump", config_dump)
         app.router.add_get("/connections", connections)
         app.router.add_route("*", "/logging", logging_)
@@ -323,6 +380,41 @@ class AdminServer:
         self._http = HttpServer(app, name="admin")
         await self._http.start(addr)
         self.addresses = self._http.addresses
+
+    async def _profile(
+        self, process: str, kind: str, seconds: int = 0, frequency: int = 0, activate: bool | None = None
+    ) -> Any:
+        """Profile ``process`` (``all``, ``control``, ``worker-<i>``): this process on a thread, the workers over
+        their channel (each samples itself on a thread), all at once. A list of (process, value), or a 404."""
+        from aiohttp import web
+
+        workers = ("all", "control") if self.profile_workers is None else None
+        if workers is not None and process not in workers:
+            return web.Response(status=404, text=f"no process {process!r}: the data plane runs in this process\n")
+
+        async def own() -> list[tuple[str, Any]]:
+            if process not in ("all", "control"):
+                return []
+            try:
+                if kind == "cpu":
+                    return [("control", await asyncio.to_thread(profiling.cpu_profile, seconds, frequency, "control"))]
+                if kind == "heap":
+                    return [("control", await asyncio.to_thread(profiling.heap_snapshot, "control"))]
+                return [("control", profiling.set_heap_profiling(activate))]
+            except profiling.ProfileError as e:
+                return [("control", profiling.ProfileFailed(str(e)))]
+
+        async def theirs() -> list[tuple[str, Any]]:
+            if self.profile_workers is None or process == "control":
+                return []
+            got = await self.profile_workers(kind, seconds, frequency, activate)
+            return [(n, v) for n, v in got if process in ("all", n)]
+
+        mine, others = await asyncio.gather(own(), theirs())
+        results = mine + others
+        if not results:
+            return web.Response(status=404, text=f"no process {process!r} answered\n")
+        return results
 
     async def stop(self) -> None:
         if self._http is not None:

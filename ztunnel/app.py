@@ -225,6 +225,7 @@ class App:
             local_config=self.local_config,
             workload_state=self._workload_state if cfg.proxy_mode is ProxyMode.SHARED else None,
             log_level=supervisor.set_log_level if supervisor is not None else None,
+            profile_workers=supervisor.profile if supervisor is not None else None,
         )
         await self.admin_server.start(cfg.admin_addr)
 

@@ -914,14 +914,6 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError("DNS proxy does not currently support on-demand mode (XDS_ON_DEMAND=true)")
     if not cfg.enable_proxy and not cfg.dns_proxy:
         raise ConfigError("ztunnel run without any servers enabled (ENABLE_PROXY=false and DNS capture off)")
-    if not cfg.enable_proxy and cfg.proxy_mode is ProxyMode.SHARED:
-        # Upstream then runs only the pods' DNS proxies; the in-pod code here cannot run a pod without its proxy
-        # listeners and would proxy its traffic anyway, so the value is refused rather than ignored.
-        raise ConfigError(
-            "ENABLE_PROXY=false is refused in shared mode (PROXY_MODE=shared): running only the pods' DNS proxies is "
-            "not implemented, and the pods' traffic would be proxied anyway; use PROXY_MODE=dedicated for a DNS-only "
-            "ztunnel"
-        )
     return cfg
 
 
@@ -946,7 +938,7 @@ class Setting:
 
     ``warns_when`` / ``refused_when`` map each variable (of this row) that warns or is refused to a value that makes
     it do so when set alone; an implemented setting may have a part that warns or is refused (``PROXY_CONFIG``'s
-    ``concurrency``, ``ENABLE_PROXY=false`` in shared mode). ``tests/test_settings_registry.py`` checks this
+    ``concurrency``). ``tests/test_settings_registry.py`` checks this
     registry against docs/configuration.md, against the code (implemented fields are read outside this module, the
     others are not) and against the behaviour (each warning and refusal happens).
     """
@@ -982,10 +974,9 @@ SETTINGS: tuple[Setting, ...] = (
         ("INSTANCE_IP", "POD_NAME", "POD_NAMESPACE", "SERVICE_ACCOUNT"),
         ("instance_ip", "pod_name", "pod_namespace", "service_account"),
     ),
-    # Dedicated mode without the proxy runs the DNS proxy alone. Shared mode would have to run the pods' DNS proxies
-    # without their listeners, which the in-pod code cannot do yet; it would proxy the pods' traffic instead of
-    # leaving it alone, so that value is refused rather than silently ignored.
-    Setting(("ENABLE_PROXY",), ("enable_proxy",), refused_when={"ENABLE_PROXY": "false"}),
+    # false: no HBONE proxy listeners (15001, 15006, 15008, SOCKS5), only the DNS proxy; in shared mode each pod's
+    # DNS proxy, as upstream's ProxyFactory (ztunnel/proxyfactory.py).
+    Setting(("ENABLE_PROXY",), ("enable_proxy",)),
     Setting(("ISTIO_META_DNS_CAPTURE",), ("dns_proxy",)),
     Setting(("ISTIO_META_DNS_PROXY_ADDR",), ("dns_proxy_addr",)),
     Setting(("ISTIO_META_*", "ISTIO_METAJSON_*"), ("proxy_metadata",)),

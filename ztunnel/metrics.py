@@ -8,16 +8,20 @@ family carry label sets of different shapes, as upstream's optional locality lab
 
 Stable metrics (no "unstable" in HELP, exactly upstream's set that applies to a Python process): ``istio_build``,
 the four ``istio_tcp_*`` series, ``process_open_fds`` and ``process_max_fds``. Upstream also exports ``tokio_*``
-runtime gauges; they describe the Rust async runtime and have no counterpart here. Every other metric says
-"unstable" in its HELP, as upstream requires of non-stable metrics.
+runtime gauges, which describe the Rust async runtime; in their place each process reports its event loop's lag
+and tasks and its garbage-collection pauses (:class:`RuntimeMetrics`), and the log lines it dropped. Every other
+metric says "unstable" in its HELP, as upstream requires of non-stable metrics.
 """
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import gzip
 import logging
 import os
 import resource
+import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry
@@ -27,6 +31,7 @@ from prometheus_client.samples import Sample
 from ztunnel import __version__
 from ztunnel.config import SocketAddress
 from ztunnel.http import HttpServer
+from ztunnel.telemetry import dropped_lines
 
 log = logging.getLogger("ztunnel.metrics")
 
@@ -122,6 +127,7 @@ class Registry:
         self.extra: list[CollectorRegistry] = []
         build = self.family("istio_build", "Istio component build info", "gauge")
         build.child((("component", "ztunnel"), ("tag", istio_version or __version__))).value = 1
+        RUNTIME.ensure_started()  # the registry of a running process: its loop is probed from now on
 
     def family(self, name: str, help: str, kind: str = "counter", unit: str = "") -> Family:
         f = Family(name, help, kind, unit)
@@ -146,6 +152,8 @@ class Registry:
             except Exception:  # a broken callback must not break the scrape
                 log.exception("metrics callback failed")
         yield from _process_fds()
+        yield from _log_drops()
+        yield from RUNTIME.metrics()
 
     def computed(self) -> Iterator[Metric]:
         """The families made at scrape time, in exposition order after our own: callbacks, the process's
@@ -175,6 +183,105 @@ def _process_fds() -> Iterator[Metric]:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     m = Metric("process_max_fds", "Maximum number of open file descriptors.", "gauge")
     m.samples.append(Sample("process_max_fds", {}, float(soft)))
+    yield m
+
+
+# -- runtime health (in place of upstream's tokio_* gauges) -------------------------------------------------------
+
+LAG_INTERVAL = 0.25  # how often the loop-lag probe wakes: 4 wakeups a second, nothing measurable
+LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
+
+
+class RuntimeMetrics:
+    """This process's event loop and interpreter, for ``/metrics`` (one per process: :data:`RUNTIME`).
+
+    - ``ztunnel_event_loop_lag_seconds`` (histogram): how late a timer due every :data:`LAG_INTERVAL` seconds
+      fired. Anything that holds the loop (a slow callback, a blocking call, a long GC) shows here; a healthy loop
+      stays under a millisecond;
+    - ``ztunnel_event_loop_tasks`` (gauge): the asyncio tasks alive on the loop (a task leak grows it);
+    - ``ztunnel_gc_pause_seconds`` (histogram, label ``generation``): each garbage collection, timed by
+      ``gc.callbacks``: the interpreter stops everything else meanwhile;
+    - with ``process_open_fds`` (already exported) these replace upstream's ``tokio_*`` runtime metrics.
+
+    In the multi-process mode every process has its own and the control process's ``/metrics`` sums them (the
+    histograms are then the distribution over every loop, the tasks all of them). The lag probe is started on the
+    running loop by :meth:`ensure_started` (the metrics registry of each process calls it), and again on a new
+    loop if the process runs another (tests do).
+    """
+
+    def __init__(self) -> None:
+        self.lag = Histogram(
+            "ztunnel_event_loop_lag_seconds",
+            "How late the event loop ran a timer due every 250 ms, in seconds (unstable)",
+            LAG_BUCKETS,
+        )
+        self.gc_pause = Histogram(
+            "ztunnel_gc_pause_seconds",
+            "Time the Python garbage collector paused the process, in seconds (unstable)",
+            GC_BUCKETS,
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._gc_started = 0.0
+        self._gc_installed = False
+
+    def ensure_started(self) -> None:
+        """Start the lag probe on the running loop (no-op without one, or when it already runs there)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if not self._gc_installed:
+            gc.callbacks.append(self._on_gc)
+            self._gc_installed = True
+        if self._loop is loop and self._task is not None and not self._task.done():
+            return
+        self._loop = loop
+        self._task = loop.create_task(self._probe(), name="runtime metrics: event-loop lag probe")
+
+    async def _probe(self) -> None:
+        loop = asyncio.get_running_loop()
+        observe = self.lag.observe
+        while True:
+            due = loop.time() + LAG_INTERVAL
+            await asyncio.sleep(LAG_INTERVAL)
+            observe((), max(0.0, loop.time() - due))
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started:
+            self.gc_pause.observe(
+                (("generation", str(info.get("generation", -1))),), time.perf_counter() - self._gc_started
+            )
+            self._gc_started = 0.0
+
+    def metrics(self) -> Iterator[Metric]:
+        self.ensure_started()
+        yield self.lag.metric()
+        loop = self._loop
+        tasks = Metric("ztunnel_event_loop_tasks", "Tasks alive on the event loop (unstable)", "gauge")
+        if loop is not None and not loop.is_closed():
+            try:
+                n = len(asyncio.all_tasks(loop))
+            except RuntimeError:  # the set changed while counted (another thread's loop): next scrape
+                n = 0
+            tasks.samples.append(Sample("ztunnel_event_loop_tasks", {}, float(n)))
+        yield tasks
+        yield self.gc_pause.metric()
+
+
+RUNTIME = RuntimeMetrics()
+
+
+def _log_drops() -> Iterator[Metric]:
+    m = Metric(
+        "ztunnel_log_lines_dropped",
+        "Log lines dropped because stdout did not take them fast enough (unstable)",
+        "counter",
+    )
+    m.samples.append(Sample("ztunnel_log_lines_dropped_total", {}, float(dropped_lines())))
     yield m
 
 

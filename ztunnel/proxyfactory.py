@@ -18,6 +18,7 @@ from ztunnel import tls
 from ztunnel.config import Config, ProxyMode, WorkloadInfo
 from ztunnel.crl import CrlCounters, CrlManager
 from ztunnel.dns import DnsProxy
+from ztunnel.dns.lookup import HostLookup
 from ztunnel.dns.metrics import Metrics as DnsMetrics
 from ztunnel.drain import Drain, DrainMode
 from ztunnel.identity.manager import CertificateProvider
@@ -71,6 +72,15 @@ class ProxyFactory:
     # workers (None: the dedicated proxy; in-pod: the pod's uid and network namespace).
     balance: Callable[[tuple[str, NetnsId] | None], InboundBalance] | None = None
 
+    _host_lookup: HostLookup | None = None
+
+    def host_lookup(self) -> HostLookup:
+        """The process's on-demand DNS resolver (one for every proxy; ztunnel's nameservers and network namespace,
+        as upstream's state resolver)."""
+        if self._host_lookup is None:
+            self._host_lookup = HostLookup.from_resolv_conf(self.host_sockets(), ipv6_enabled=self.config.ipv6_enabled)
+        return self._host_lookup
+
     def dns(self, local: LocalWorkload, sockets: SocketFactory, reuse_port: bool) -> DnsProxy | None:
         """The DNS proxy of one workload (ISTIO_META_DNS_CAPTURE), or None when DNS capture is off."""
         if not self.config.dns_proxy:
@@ -110,6 +120,7 @@ class ProxyFactory:
             connections=connections,
             on_demand=self.on_demand,
             balance=self.balance(pod) if self.balance is not None and balanced else None,
+            lookup_host=self.host_lookup().lookup_ip,
         )
 
     def socket_config(self) -> SocketConfig:
@@ -147,7 +158,10 @@ class ProxyFactory:
                 proxy.socks5.resolve = dns.resolve
             await dns.start()
         try:
-            await proxy.start()
+            if self.config.enable_proxy:
+                await proxy.start()
+            # ENABLE_PROXY=false (upstream's ProxyFactory without its proxy): the pod gets its DNS proxy only. The
+            # proxy's inputs exist (an empty connection manager, a drain) but no listener is bound in the pod.
         except BaseException:
             if dns is not None:
                 await dns.close()

@@ -6,14 +6,39 @@ the way upstream writes its tracing targets (``ztunnel::proxy::inbound``); acces
 
 Structured fields are passed as ``extra={"fields": {...}}`` (see :func:`log`), so the call site pays nothing for
 formatting when the level is off: call sites on hot paths check ``logger.isEnabledFor`` first.
+
+**Spans**, as upstream's tracing spans: a connection's task enters one (:func:`enter_span`: ``inbound{id, peer}``,
+``outbound{id}``), and every line logged from that task carries it: ``scope:inbound{id=<trace id> peer=<addr>}`` in
+plain lines, an ``"inbound": {...}`` object in JSON lines. The id is the trace id of the connection's
+``traceparent`` (:func:`span_id`): inbound, the one the client sent, so both ztunnels' lines of a connection share
+it. The span lives in a context variable, which each asyncio task copies when it is created, so concurrent
+connections never see each other's. Access-log lines (scope ``access``) are written outside any span, as upstream
+writes them (``parent: None``).
+
+**Logs never block the data path** (upstream ``telemetry/nonblocking.rs``): a line is formatted where it is logged
+and put on a bounded queue (:data:`BUFFERED_LINES_LIMIT`, 128,000 lines, upstream's); a writer thread writes it to
+stdout. When the queue is full (stdout is a pipe nobody reads, a slow terminal, a stalled log shipper) the line is
+dropped and counted (``ztunnel_log_lines_dropped_total``), never awaited: a stalled stdout cannot stall the event
+loop, so tunnels keep flowing. The writer writes whole lines, at most :data:`WRITE_BATCH` bytes at a time (a pipe
+write up to ``PIPE_BUF``, 4,096 bytes, is atomic, so the worker processes sharing stdout never split each other's
+lines).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime as _dt
+import errno
 import json
 import logging
+import os
+import queue
+import random
+import select
 import sys
+import threading
+import time
 import unicodedata
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
@@ -212,7 +237,8 @@ class PlainFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line = f"{_timestamp(record.created)}\t{_NAMES.get(record.levelno, record.levelname.lower())}\t"
-        line += f"{_scope(record.name)}\t{_plain_message(record.getMessage())}"
+        line += f"{_scope(record.name)}{_plain_span(getattr(record, 'span', None))}"
+        line += f"\t{_plain_message(record.getMessage())}"
         fields: Mapping[str, Any] | None = getattr(record, "fields", None)
         if fields:
             line += "\t" + " ".join(f"{k}={_plain_value(v)}" for k, v in fields.items())
@@ -241,10 +267,200 @@ class JsonFormatter(logging.Formatter):
                     out[k] = v
                 else:
                     out[k] = _bounded(str(v), MAX_FIELD_CHARS)
+        span: Span | None = getattr(record, "span", None)
+        if span is not None:
+            out[span[0]] = {
+                k: v if isinstance(v, int | float | bool) else _bounded(str(v), MAX_FIELD_CHARS)
+                for k, v in span[1].items()
+            }
         if record.exc_info and record.levelno >= logging.ERROR:
             out["exception"] = self.formatException(record.exc_info)
         line = json.dumps(out, ensure_ascii=False)
         return line if line.isprintable() else _json_escape_nonprintable(line)
+
+
+# -- spans ----------------------------------------------------------------------------------------------------------
+
+Span = tuple[str, Mapping[str, Any]]
+_span_rng = random.Random()
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def span_id(traceparent: str | None) -> Display:
+    """The span id of a connection's access record: the trace id (32 hex digits) of the W3C ``traceparent`` the
+    peer sent, as upstream's inbound does; a new random one when it is missing or malformed (upstream requires 55
+    characters and four hex fields ``version-traceid-parentid-flags``)."""
+    if traceparent is not None and len(traceparent) == 55:
+        parts = traceparent.split("-")
+        if [len(p) for p in parts] == [2, 32, 16, 2] and all(set(p) <= _HEX for p in parts):
+            return Display(f"{int(parts[1], 16):032x}")
+    return Display(f"{_span_rng.getrandbits(128):032x}")  # written bare, as upstream's %id
+
+
+_current_span: contextvars.ContextVar[Span | None] = contextvars.ContextVar("ztunnel_log_span", default=None)
+
+
+def enter_span(name: str, fields: Mapping[str, Any]) -> None:
+    """Log everything the current task logs from now on within the span ``name{fields}`` (a connection's task calls
+    it once, at its start; the task's context ends with it)."""
+    _current_span.set((name, fields))
+
+
+class _SpanFilter(logging.Filter):
+    """Attaches the current task's span to each record, except access-log lines (upstream: ``parent: None``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        span = _current_span.get()
+        if span is not None and record.name != "access" and not hasattr(record, "span"):
+            record.span = span
+        return True
+
+
+def _plain_span(span: Span | None) -> str:
+    if span is None:
+        return ""
+    name, fields = span
+    inner = " ".join(f"{k}={_plain_value(v)}" for k, v in fields.items())
+    return f":{name}{{{inner}}}" if inner else f":{name}"
+
+
+# -- the non-blocking writer ----------------------------------------------------------------------------------------
+
+BUFFERED_LINES_LIMIT = 128_000  # upstream DEFAULT_BUFFERED_LINES_LIMIT
+WRITE_BATCH = 4096  # PIPE_BUF: one write of whole lines up to this size is atomic on a pipe
+_dropped = [0]  # lines dropped because the queue was full (or stdout is gone), this process
+
+
+def dropped_lines() -> int:
+    """Log lines this process dropped because its stdout did not keep up (``ztunnel_log_lines_dropped_total``)."""
+    return _dropped[0]
+
+
+class NonBlockingHandler(logging.Handler):
+    """Formats on the caller's thread, queues the line (bounded), and a writer thread writes it: see the module
+    docstring. ``flush`` waits (bounded) until what was queued is written."""
+
+    def __init__(self, stream: TextIO, limit: int = BUFFERED_LINES_LIMIT) -> None:
+        super().__init__()
+        self.addFilter(_SpanFilter())
+        self.stream = stream
+        self.limit = limit
+        try:
+            self._fd: int | None = stream.fileno()
+            stream.flush()  # what the stream buffered before is written before our lines
+        except (AttributeError, OSError, ValueError):
+            self._fd = None  # an in-memory stream (tests): written with its own write()
+        self._start()
+
+    def _start(self) -> None:
+        self._queue: queue.Queue[str | None] = queue.Queue(self.limit)
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="log-writer", daemon=True)
+        self._thread.start()
+
+    def after_fork(self) -> None:
+        """In a forked child: a fresh queue and writer (the parent's thread does not exist here, and its queue's
+        lock may have been held at the fork). Lines the parent had queued are the parent's to write."""
+        self._start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record) + "\n"
+        except Exception:
+            self.handleError(record)
+            return
+        self._idle.clear()
+        try:
+            self._queue.put_nowait(line)
+        except queue.Full:
+            _dropped[0] += 1
+
+    def _run(self) -> None:
+        q = self._queue
+        while True:
+            if q.empty():
+                self._idle.set()
+            line = q.get()
+            if line is None:
+                self._idle.set()
+                return
+            batch, size, stop = [line.encode("utf-8", "backslashreplace")], 0, False
+            size = len(batch[0])
+            while size < WRITE_BATCH:
+                try:
+                    nxt = q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                data = nxt.encode("utf-8", "backslashreplace")
+                if size + len(data) > WRITE_BATCH:
+                    self._write(b"".join(batch))
+                    batch, size = [], 0
+                batch.append(data)
+                size += len(data)
+            if batch:
+                self._write(b"".join(batch))
+            if stop:
+                self._idle.set()
+                return
+
+    def _write(self, data: bytes) -> None:
+        if self._fd is None:
+            try:
+                self.stream.write(data.decode("utf-8", "replace"))
+                self.stream.flush()
+            except Exception:
+                _dropped[0] += data.count(b"\n")
+            return
+        view = memoryview(data)
+        while view:
+            try:
+                n = os.write(self._fd, view)
+            except BlockingIOError:  # stdout shared with a non-blocking terminal: wait until it takes more
+                select.select([], [self._fd], [], 1.0)
+                continue
+            except OSError as e:
+                if e.errno == errno.EINTR:
+                    continue
+                _dropped[0] += bytes(view).count(b"\n")  # EPIPE, EBADF...: nowhere to write
+                return
+            view = view[n:]
+
+    def flush(self, timeout: float = 1.0) -> None:
+        """Wait up to ``timeout`` seconds for the queued lines to be written (never longer: stdout may be stalled,
+        and exiting must not wait for it)."""
+        if threading.current_thread() is self._thread:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._idle.wait(max(0.0, deadline - time.monotonic())) and self._queue.empty():
+                return
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        self.flush()
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)
+        super().close()
+
+
+def _reinit_after_fork() -> None:
+    for h in logging.getLogger().handlers:
+        if isinstance(h, NonBlockingHandler):
+            h.after_fork()
+
+
+os.register_at_fork(after_in_child=_reinit_after_fork)
+
+
+def flush_logs(timeout: float = 1.0) -> None:
+    """Wait (at most ``timeout`` s per handler) until the queued log lines are written."""
+    for h in logging.getLogger().handlers:
+        if isinstance(h, NonBlockingHandler):
+            h.flush(timeout)
 
 
 class _LogState:
@@ -261,11 +477,12 @@ _state = _LogState()
 
 def setup_logging(spec: str = "info", json_format: bool = False, stream: TextIO | None = None) -> None:
     """Install one handler on the root logger in the chosen format and apply the ``RUST_LOG``-style filter."""
-    handler = logging.StreamHandler(stream or sys.stdout)
+    handler = NonBlockingHandler(stream or sys.stdout)
     handler.setFormatter(JsonFormatter() if json_format else PlainFormatter())
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
+        h.close()  # a NonBlockingHandler writes what it queued first (bounded)
     root.addHandler(handler)
     _state.default_spec = spec
     _apply(spec, reset=True)
@@ -327,17 +544,23 @@ def get_logger(module: str) -> logging.Logger:
 
 
 __all__ = [
+    "BUFFERED_LINES_LIMIT",
     "MAX_FIELD_CHARS",
     "MAX_MESSAGE_CHARS",
     "TRACE",
     "Display",
     "JsonFormatter",
+    "NonBlockingHandler",
     "PlainFormatter",
     "current_level",
     "display",
+    "dropped_lines",
+    "enter_span",
+    "flush_logs",
     "get_logger",
     "log",
     "parse_log_filter",
     "set_level",
     "setup_logging",
+    "span_id",
 ]

@@ -147,6 +147,15 @@ async def dns_cluster(topology: tn.Topology, tmp_path: Path) -> AsyncIterator[Cl
     """The same cluster with DNS capture on: the agent adds the DNS rules, ztunnel runs a DNS proxy per pod, and
     the nodes' resolv.conf (so ztunnel's, which its DNS proxies forward to) names an upstream DNS server on the
     bridge that knows ``EXTERNAL_NAME``."""
+    async with running_dns_cluster(topology, tmp_path) as c:
+        yield c
+
+
+@contextlib.asynccontextmanager
+async def running_dns_cluster(
+    topology: tn.Topology, tmp_path: Path, extra_env: dict[str, str] | None = None
+) -> AsyncIterator[Cluster]:
+    """:func:`dns_cluster`'s cluster, with ``extra_env`` in the ztunnels' environment."""
     upstream = UpstreamDns({EXTERNAL_NAME: [EXTERNAL_IP]})
     server = topology.loop_thread(topology.root, "upstream-dns")
     await server.run(upstream.start(UPSTREAM_DNS_IP, 53))
@@ -155,7 +164,7 @@ async def dns_cluster(topology: tn.Topology, tmp_path: Path) -> AsyncIterator[Cl
         for d in etc:  # `ip netns exec` bind-mounts these over /etc/resolv.conf for the ztunnels it starts
             d.mkdir(parents=True, exist_ok=True)
             (d / "resolv.conf").write_text(f"nameserver {UPSTREAM_DNS_IP}\noptions timeout:2\n")
-        async with running_cluster(topology, tmp_path, dns=True) as c:
+        async with running_cluster(topology, tmp_path, dns=True, extra_env=extra_env) as c:
             c.upstream_dns = upstream
             yield c
     finally:

@@ -27,6 +27,7 @@ from tests.inpod.cluster import (
     eventually,
     metric_sum,
     peer_and_body,
+    running_dns_cluster,
     topology,
 )
 from ztunnel.testing import netns as tn
@@ -375,3 +376,33 @@ async def test_pod_dns_forwards_other_names_from_inside_the_pod(dns_cluster: Clu
         assert metric_sum(metrics.get("istio_dns_upstream_failures", [])) == 0
 
     await eventually(check)
+
+
+def listening_ports(ns: tn.Netns) -> set[int]:
+    """The TCP ports listening in ``ns`` (``/proc/net/tcp`` and ``tcp6`` as a process there sees them)."""
+    out: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in ns.exec(["cat", table]).stdout.splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                out.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return out
+
+
+async def test_enable_proxy_false_runs_only_the_pods_dns_proxies(topology: tn.Topology, tmp_path: Path) -> None:
+    """Upstream's ENABLE_PROXY=false in shared mode: each pod gets its DNS proxy and nothing else. The pod's name
+    lookups are answered by ztunnel from its state; no HBONE listener (15001, 15006, 15008) exists in the pod."""
+    async with running_dns_cluster(topology, tmp_path, {"ENABLE_PROXY": "false"}) as c:
+        pod = c.pods["client"]
+
+        def dns_is_up() -> None:
+            assert 15053 in listening_ports(pod)
+
+        await eventually(dns_is_up, timeout=10)
+        assert listening_ports(pod) & {15001, 15006, 15008, 15080} == set()
+        script = "import socket\nprint(socket.getaddrinfo('echo', 80, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])\n"
+        result = await asyncio.to_thread(run_with_pod_dns, pod, script)
+        assert result.stdout.strip() == VIP[0], result.stderr  # answered by ztunnel: no DNS server knows the name
+        metrics = c.scrape("node1")
+        assert metric_sum(metrics["istio_dns_requests"], request_protocol="udp", request_query_type="a") >= 1
+        assert "istio_tcp_connections_opened" not in metrics

@@ -16,6 +16,7 @@ from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
 from ztunnel.inpod.netns import NetnsId
 from ztunnel.localconfig import load_local_config
+from ztunnel.profiling import ProfileFailed
 from ztunnel.state import ProxyState, StateUpdate
 from ztunnel.state.service import Endpoint
 from ztunnel.state.workload import NamespacedHostname
@@ -47,6 +48,8 @@ def sample_messages() -> list[p.Message]:
         p.DelPod("uid-1", request_id=4),
         p.Drain(graceful=True, deadline=5.0),
         p.Query("metrics", request_id=5),
+        p.Profile("cpu", seconds=2, frequency=100, request_id=16),
+        p.Profile("heap-profiling", activate=True, request_id=17),
         p.SetLogLevel(False, "access=debug,info"),
         p.CertificateReply(6, IDENTITY, data),
         p.CertificateReply(6, IDENTITY, None, "no certificate for x: CA down", "CA down"),
@@ -63,6 +66,8 @@ def sample_messages() -> list[p.Message]:
         p.Ack(11),
         p.Ack(11, "failed to start proxy"),
         p.Reply(12, [{"worker": 1, "id": 3}]),
+        p.Reply(16, {"worker-0;MainThread;ztunnel.proxy.relay:PlainConnection.buffer_updated": 3}),
+        p.Reply(17, ProfileFailed("heap profiling not active")),
     ]
 
 

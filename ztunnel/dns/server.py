@@ -33,6 +33,7 @@ import dns.rcode
 import dns.rdatatype
 
 from ztunnel.config import Config, SocketAddress
+from ztunnel.dns.cache import CachingForwarder
 from ztunnel.dns.forwarder import RESOLV_CONF, Forwarder, ForwardError, forwarder_for_mode
 from ztunnel.dns.handler import Forward, Handler, Reply, Transport, encode, parse, response_for
 from ztunnel.dns.metrics import Metrics
@@ -126,12 +127,13 @@ class DnsProxy:
         resolv_conf: str | Path = RESOLV_CONF,
     ) -> DnsProxy:
         """The proxy as upstream's ``ProxyFactory`` builds it: ``ISTIO_META_DNS_PROXY_ADDR``, the cluster domain,
-        the mode's forwarder (resolv.conf nameservers; per-pod search domains in shared mode)."""
+        the mode's forwarder (resolv.conf nameservers; per-pod search domains in shared mode) behind an answer
+        cache (:mod:`~ztunnel.dns.cache`)."""
         return cls(
             cfg.dns_proxy_addr,
             state,
             local_workload,
-            forwarder_for_mode(cfg.proxy_mode, cfg.cluster_domain, sockets, resolv_conf),
+            CachingForwarder(forwarder_for_mode(cfg.proxy_mode, cfg.cluster_domain, sockets, resolv_conf)),
             sockets,
             cluster_domain=cfg.cluster_domain,
             metrics=metrics,

@@ -40,6 +40,7 @@ from ztunnel.net import format_addr
 from ztunnel.proxy.common import (
     BAGGAGE_HEADER,
     FORWARDED_HEADER,
+    TRACEPARENT_HEADER,
     X_FORWARDED_NETWORK,
     ProxyError,
     ResponseFlag,
@@ -63,6 +64,8 @@ from ztunnel.state import ProxyState
 from ztunnel.state.service import Service
 from ztunnel.state.upstream import ServiceDescription
 from ztunnel.state.workload import AppTunnelProtocol, IPAddress, NetworkAddress, NetworkMode, Workload
+from ztunnel.telemetry import display, enter_span, span_id
+from ztunnel.telemetry import log as log_fields
 
 log = logging.getLogger("ztunnel.proxy.inbound")
 
@@ -313,6 +316,9 @@ class Inbound(Listener):
             on_closed=self._closed,
         )
         self.connections.add(conn)
+        traffic = self.pi.connections.traffic
+        if traffic is not None:
+            traffic.socket_opened("destination")  # an accepted socket; taken off in _closed
         self.pi.tasks.spawn(self._start_tls(conn), "inbound tls")
         return conn
 
@@ -377,6 +383,9 @@ class Inbound(Listener):
         self.pi.connections.release(record, flag, error)
 
     def _closed(self, conn: HboneTransport) -> None:
+        traffic = self.pi.connections.traffic
+        if conn in self.connections and traffic is not None:
+            traffic.socket_closed("destination")
         self.connections.discard(conn)
         if self._crl_tracked:
             crl = self.pi.contexts.crl
@@ -407,6 +416,10 @@ class Inbound(Listener):
             mtls=True,
             tunnel=conn,
         )
+        # This stream's task logs within upstream's inbound span: the client's trace id (its traceparent).
+        enter_span("inbound", {"id": span_id(ev.headers.get(TRACEPARENT_HEADER)), "peer": display(format_addr(*src))})
+        if log.isEnabledFor(logging.DEBUG):
+            log_fields(log, logging.DEBUG, "received request", authority=display(ev.authority), identity=str(identity))
         # Until the stream is up, the source is what its certificate proves. Nothing the peer wrote (baggage)
         # labels a refused stream: each invented value would be a metric series of its own (stricter than upstream).
         record.derived_source = DerivedWorkload(identity=identity)

@@ -18,6 +18,7 @@ from ztunnel.proxy.connect import INTERRUPTED, connect_interruptible
 from ztunnel.proxy.connection_manager import AuthorizeFn, ConnectionRecord, Direction, log_failed
 from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.proxy.listener import Listener
+from ztunnel.proxy.metrics import OpenSocket
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.rbac import Connection
 from ztunnel.sockets import local_dst, original_dst, peer_addr, set_accepted_options
@@ -38,6 +39,7 @@ class InboundPassthrough(Listener):
 
     def _accepted(self, plain: PlainConnection) -> None:
         assert plain.transport is not None
+        plain.on_lost = OpenSocket(self.pi.connections.traffic, "destination").closed
         sock: socket.socket = plain.transport.get_extra_info("socket")
         set_accepted_options(sock, self.pi.sockets.cfg, keepalive=True)
         src = peer_addr(sock)

@@ -19,7 +19,7 @@ from ztunnel.proxy.connection_manager import ConnectionManager
 from ztunnel.proxy.pool import WorkloadHBONEPool
 from ztunnel.sockets import SocketFactory
 from ztunnel.state import ProxyState, StateChange
-from ztunnel.state.workload import NamespacedHostname, NetworkAddress, Workload
+from ztunnel.state.workload import IPAddress, NamespacedHostname, NetworkAddress, Workload
 from ztunnel.tasks import TaskGroup
 
 log = logging.getLogger("ztunnel.proxy")
@@ -128,6 +128,8 @@ class ProxyInputs:
     on_demand: OnDemand | None = None
     # Set in a worker process of a ztunnel with several: where the 15008 listener's connections are served.
     balance: InboundBalance | None = None
+    # Resolves a hostname-only destination (on-demand DNS, ztunnel/dns/lookup.py); None: the system resolver.
+    lookup_host: Callable[[str], Awaitable[list[IPAddress]]] | None = None
 
     async def fetch_address(self, addr: NetworkAddress, client_ns: str | None = None) -> None:
         """Upstream ``fetch_address``: if no service VIP or workload has ``addr``, ask for it on demand and wait

@@ -245,10 +245,53 @@ class TrafficMetrics:
         self.sockets_open = registry.family(
             "istio_tcp_sockets_open", "The current number of open TCP sockets (unstable)", "gauge"
         )
+        self.on_demand_dns_family = registry.family(
+            "istio_on_demand_dns", "The total number of requests that used on-demand DNS (unstable)"
+        )
+        self._on_demand: dict[tuple[int, str], tuple[Workload, Child]] = {}
+
+    def on_demand_dns(self, source: Workload, hostname: str) -> None:
+        """A connection whose destination was known only by hostname, resolved on demand (upstream
+        ``OnDemandDnsLabels``: the source's labels as upstream sets them, and the hostname)."""
+        # Workloads are not hashable; keyed by identity as the label cache is (the entry keeps the object alive).
+        key = (id(source), hostname)
+        hit = self._on_demand.get(key)
+        if hit is not None and hit[0] is source:
+            hit[1].value += 1
+            return
+        if len(self._on_demand) >= _LABEL_CACHE_SIZE:
+            self._on_demand.clear()
+        labels = (
+            ("source_workload", _v(source.workload_name)),
+            ("source_canonical_service", _v(source.canonical_name)),
+            ("source_canonical_revision", _v(source.canonical_revision)),
+            ("source_workload_namespace", _v(source.namespace)),
+            ("source_principal", _principal(source.identity)),
+            ("source_app", _v(source.canonical_name)),
+            ("source_version", _v(source.canonical_revision)),
+            ("source_cluster", _v(source.cluster_id)),
+            ("hostname", _v(hostname)),
+        )
+        child = self.on_demand_dns_family.child(labels)
+        self._on_demand[key] = (source, child)
+        child.value += 1
+
+    def socket_opened(self, reporter: str) -> Child:
+        """An accepted socket (upstream ``record_socket_open``): ``istio_tcp_sockets_open{reporter}`` counts the
+        TCP sockets the listeners accepted and have not closed yet: one per HBONE connection however many streams
+        it carries, including one still in its TLS handshake or waiting for xDS, and none for the sockets ztunnel
+        opens itself. ``reporter`` is ``source`` (15001, SOCKS5) or ``destination`` (15006, 15008). Returns the
+        child; the caller takes 1 off its ``value`` when the socket closes (:class:`OpenSocket`)."""
+        child = self.sockets_open.child((("reporter", reporter),))
+        child.value += 1
+        return child
+
+    def socket_closed(self, reporter: str) -> None:
+        """An accepted socket counted by :meth:`socket_opened` closed."""
+        self.sockets_open.child((("reporter", reporter),)).value -= 1
 
     def open(self, labels: Labels) -> ConnectionMetrics:
         self.opened.child(labels).value += 1
-        self.sockets_open.child((("reporter", labels[0][1]),)).value += 1
         return ConnectionMetrics(labels, self.sent.child(labels), self.received.child(labels))
 
     def flush(self, m: ConnectionMetrics, sent: int, received: int) -> None:
@@ -263,7 +306,21 @@ class TrafficMetrics:
             labels = tuple((k, flag.value) if k == "response_flags" else (k, v) for k, v in labels)
             self.failed.child(labels).value += 1
         self.closed.child(labels).value += 1
-        self.sockets_open.child((("reporter", labels[0][1]),)).value -= 1
+
+
+class OpenSocket:
+    """One accepted socket counted in ``istio_tcp_sockets_open`` until :meth:`closed` (idempotent: upstream's
+    ``SocketCloseGuard``)."""
+
+    __slots__ = ("_child",)
+
+    def __init__(self, metrics: TrafficMetrics | None, reporter: str) -> None:
+        self._child = metrics.socket_opened(reporter) if metrics is not None else None
+
+    def closed(self) -> None:
+        child, self._child = self._child, None
+        if child is not None:
+            child.value -= 1
 
 
 class CrlMetrics:

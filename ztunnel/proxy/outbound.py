@@ -3,7 +3,8 @@
 Upstream ``proxy/outbound.rs``. For each accepted connection:
 
 1. the original destination: ``SO_ORIGINAL_DST`` (iptables REDIRECT), else the socket's own address (TPROXY);
-2. a loopback destination on one of ztunnel's own ports is refused (``attempted recursive call to ourselves``);
+2. a destination on one of ztunnel's own ports at a loopback or local address (the node's own, in dedicated mode)
+   is refused (``attempted recursive call to ourselves``): passing it through would loop until the fd limit;
 3. the source is always the proxied workload (never looked up by source IP), waiting up to 5 s for xDS; with
    ``XDS_ON_DEMAND``, a destination the state does not know is asked for (``<network>/<ip>``) and its answer
    awaited, up to 5 s, before deciding;
@@ -20,6 +21,7 @@ Upstream ``proxy/outbound.rs``. For each accepted connection:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import ipaddress
 import logging
@@ -29,6 +31,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ztunnel import baggage
+from ztunnel.dns.lookup import pick_address
+from ztunnel.errors import ZtunnelError
 from ztunnel.identity.spiffe import Identity
 from ztunnel.net import format_addr
 from ztunnel.proxy.common import (
@@ -49,10 +53,11 @@ from ztunnel.proxy.double_hbone import open_inner
 from ztunnel.proxy.hbone.stream import HboneStream
 from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.proxy.listener import Listener
-from ztunnel.proxy.metrics import DerivedWorkload
+from ztunnel.proxy.metrics import DerivedWorkload, OpenSocket
 from ztunnel.proxy.pool import WorkloadKey
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.sockets import (
+    family_of,
     local_dst,
     original_dst,
     peer_addr,
@@ -79,6 +84,8 @@ from ztunnel.state.workload import (
     NetworkAddress,
     Workload,
 )
+from ztunnel.telemetry import enter_span, span_id
+from ztunnel.telemetry import log as log_fields
 
 log = logging.getLogger("ztunnel.proxy.outbound")
 
@@ -312,12 +319,12 @@ def _workloads_at(state: ProxyState, dest: NetworkAddress | NamespacedHostname) 
     return [found]
 
 
-def hbone_headers(req: Request, src: tuple[IPAddress, int]) -> list[tuple[str, str]]:
+def hbone_headers(req: Request, src: tuple[IPAddress, int], traceparent: str | None = None) -> list[tuple[str, str]]:
     service = req.intended_destination_service
     return [
         (BAGGAGE_HEADER, baggage.workload_baggage(req.source)),
         (FORWARDED_HEADER, forwarded_header(src, service.hostname if service else None)),
-        (TRACEPARENT_HEADER, new_traceparent()),
+        (TRACEPARENT_HEADER, traceparent or new_traceparent()),
     ]
 
 
@@ -333,6 +340,7 @@ class Outbound(Listener):
 
     def _accepted(self, plain: PlainConnection) -> None:
         assert plain.transport is not None
+        plain.on_lost = OpenSocket(self.pi.connections.traffic, "source").closed
         sock: socket.socket = plain.transport.get_extra_info("socket")
         set_accepted_options(sock, self.pi.sockets.cfg, keepalive=True)
         src = peer_addr(sock)
@@ -349,9 +357,17 @@ class Outbound(Listener):
         """Carry ``plain`` to ``dst``. ``ready`` (SOCKS5) hears once the tunnel is up, or why it failed."""
         pi = self.pi
         record: ConnectionRecord | None = None
+        # Upstream's outbound span (this task's log lines): the trace id of the traceparent sent over HBONE.
+        traceparent = new_traceparent()
+        enter_span("outbound", {"id": span_id(traceparent)})
+        if log.isEnabledFor(logging.DEBUG):
+            log_fields(log, logging.DEBUG, "connection started", component="outbound")
         try:
-            if dst[0].is_loopback and dst[1] in pi.config.illegal_ports:
-                raise ProxyError("attempted recursive call to ourselves")
+            if dst[1] in pi.config.illegal_ports and (dst[0].is_loopback or _is_local(pi, dst[0])):
+                raise ProxyError(
+                    f"attempted recursive call to ourselves: {format_addr(*dst)} is this proxy's own "
+                    f"address and port {dst[1]} one of its listeners (the connection would loop)"
+                )
             if pi.drain.draining:
                 raise ProxyError("proxy is draining")
             source = await pi.local.get()
@@ -361,7 +377,7 @@ class Outbound(Listener):
                 await fetch_references(pi, source, dst[0])
             req = build_request(pi.state, source, src[0], dst, pi.config.network, pi.rng, self.hbone_port)
             if req.resolve_hostname is not None:
-                req = await _resolve(req)
+                req = await _resolve(pi, req)
             hbone = req.protocol is not OutboundProtocol.TCP
             # Through a gateway, the destination is the workload behind it (its identity is checked on the inner
             # TLS), not the gateway the TCP connection goes to.
@@ -383,9 +399,9 @@ class Outbound(Listener):
                 original_dst=dst,
             )
             if req.protocol is OutboundProtocol.DOUBLE_HBONE:
-                await self._double_hbone(plain, src, req, record, ready)
+                await self._double_hbone(plain, src, req, record, ready, traceparent)
             elif hbone:
-                await self._hbone(plain, src, req, record, ready)
+                await self._hbone(plain, src, req, record, ready, traceparent)
             else:
                 await self._tcp(plain, req, record, ready)
         except ProxyError as e:
@@ -418,9 +434,10 @@ class Outbound(Listener):
         req: Request,
         record: ConnectionRecord,
         ready: Callable[[ProxyError | None], None] | None,
+        traceparent: str,
     ) -> None:
         pi = self.pi
-        stream = await self._open_outer(src, req)
+        stream = await self._open_outer(src, req, traceparent)
         record.tunnel = stream.conn  # a CRL revoking the peer closes the pooled connection, and this with it
         if plain.closed:
             stream.reset()
@@ -433,12 +450,12 @@ class Outbound(Listener):
             ready(None)
         stream.attach(plain, on_done=lambda s: pi.connections.release(record, ResponseFlag.NONE, s.error))
 
-    async def _open_outer(self, src: tuple[IPAddress, int], req: Request) -> HboneStream:
+    async def _open_outer(self, src: tuple[IPAddress, int], req: Request, traceparent: str) -> HboneStream:
         """A CONNECT on a pooled connection to ``req.actual_destination``, answered 200 (else ProxyError)."""
         authority = req.authority
         assert authority is not None
         key = WorkloadKey(req.source.identity, req.upstream_sans, req.actual_destination, src[0])
-        stream = await self.pi.pool.open_stream(key, authority, hbone_headers(req, src))
+        stream = await self.pi.pool.open_stream(key, authority, hbone_headers(req, src, traceparent))
         await _established(stream)
         return stream
 
@@ -449,12 +466,13 @@ class Outbound(Listener):
         req: Request,
         record: ConnectionRecord,
         ready: Callable[[ProxyError | None], None] | None,
+        traceparent: str,
     ) -> None:
         """Upstream's ``proxy_to_double_hbone``: the outer stream to the gateway (pooled), then inside it a new
         TLS handshake with the source's certificate verified against ``final_sans`` and a new, unpooled HTTP/2
         connection whose one CONNECT carries ``x-forwarded-network``."""
         pi = self.pi
-        outer = await self._open_outer(src, req)
+        outer = await self._open_outer(src, req, traceparent)
         record.tunnel = outer.conn  # the gateway's certificate revoked by a CRL closes the outer connection
         authority = req.authority
         assert authority is not None
@@ -471,7 +489,7 @@ class Outbound(Listener):
         except BaseException:
             outer.reset()
             raise
-        headers = [*hbone_headers(req, src), (X_FORWARDED_NETWORK, pi.config.network)]
+        headers = [*hbone_headers(req, src, traceparent), (X_FORWARDED_NETWORK, pi.config.network)]
         stream = inner.open_stream(authority, headers)
         inner.drain_when_idle()  # one stream: the inner connection closes with it (and so the outer stream)
         try:
@@ -525,30 +543,49 @@ async def _established(stream: HboneStream) -> None:
         raise HttpStatusError(status)
 
 
-async def _resolve(req: Request) -> Request:
-    """Resolve a hostname-only destination with the system resolver, preferring the request's IP family."""
-    assert req.resolve_hostname is not None
-    loop = asyncio.get_running_loop()
+def _is_local(pi: ProxyInputs, ip: IPAddress) -> bool:
+    """Whether ``ip`` is an address of the proxy's own network namespace (the node's, in dedicated mode): then a
+    connection to it on a listener port comes straight back to ztunnel, and passing it through would loop until
+    the fd limit. Checked by binding a throwaway socket there (EADDRNOTAVAIL for a foreign address): two syscalls,
+    paid only by connections to one of ztunnel's own ports."""
     try:
-        infos = await loop.getaddrinfo(req.resolve_hostname, None, type=socket.SOCK_STREAM)
-    except OSError as e:
-        raise ProxyError(f"dns lookup of {req.resolve_hostname} failed: {e}") from None
-    ips = [ipaddress.ip_address(i[4][0]) for i in infos]
+        sock = pi.sockets.udp(family_of(ip))
+    except OSError:
+        return False
+    try:
+        sock.bind((str(ip), 0))
+    except OSError:
+        return False
+    finally:
+        sock.close()
+    return True
+
+
+async def _resolve(pi: ProxyInputs, req: Request) -> Request:
+    """Resolve a hostname-only destination (upstream ``resolve_on_demand_dns``): counted in
+    ``istio_on_demand_dns_total``, looked up through ztunnel's resolver (``pi.lookup_host``: its nameservers, with
+    a cache), and one address picked at random, preferring the family the client connected to."""
+    hostname = req.resolve_hostname
+    assert hostname is not None
+    traffic = pi.connections.traffic
+    if traffic is not None:
+        traffic.on_demand_dns(req.source, hostname)
+    try:
+        ips = await (pi.lookup_host or _system_lookup)(hostname)
+    except (OSError, ZtunnelError) as e:
+        raise ProxyError(f"dns lookup of {hostname} failed: {e}") from None
     if not ips:
-        raise ProxyError(f"dns lookup of {req.resolve_hostname} returned no addresses")
-    want = req.actual_destination[0].version
-    ip = next((i for i in ips if i.version == want), ips[0])
+        raise ProxyError(f"dns lookup of {hostname} returned no addresses")
+    ip = pick_address(ips, req.actual_destination[0].version == 6, pi.rng)
     dst = (ip, req.actual_destination[1])
     target = (ip, req.hbone_target[1]) if req.hbone_target else None
-    return Request(
-        req.protocol,
-        req.source,
-        dst,
-        target,
-        req.actual_destination_workload,
-        req.intended_destination_service,
-        req.upstream_sans,
-    )
+    return dataclasses.replace(req, actual_destination=dst, hbone_target=target, resolve_hostname=None)
+
+
+async def _system_lookup(hostname: str) -> list[IPAddress]:
+    # Only for proxies built without a resolver (tests building ProxyInputs by hand); ztunnel's always have one.
+    infos = await asyncio.get_running_loop().getaddrinfo(hostname, None, type=socket.SOCK_STREAM)
+    return [ipaddress.ip_address(i[4][0]) for i in infos]
 
 
 __all__ = ["Outbound", "OutboundProtocol", "Request", "build_request", "hbone_headers"]

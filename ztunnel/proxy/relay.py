@@ -75,6 +75,7 @@ class PlainConnection(asyncio.BufferedProtocol):
         self.write_paused = False
         self.closed = False
         self.close_error: Exception | None = None
+        self.on_lost: Callable[[], None] | None = None  # called once, when the socket is gone (metrics)
 
     # -- asyncio -----------------------------------------------------------------------------------------------
 
@@ -155,6 +156,8 @@ class PlainConnection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.close_error = exc
+        if self.on_lost is not None:
+            self.on_lost()
         if self.peer is not None:
             self.peer.plain_lost(self, exc)
 

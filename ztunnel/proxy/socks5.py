@@ -27,6 +27,7 @@ from ztunnel.proxy.common import HttpStatusError, ProxyError, ResponseFlag
 from ztunnel.proxy.connection_manager import Direction, log_failed
 from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.proxy.listener import Listener
+from ztunnel.proxy.metrics import OpenSocket
 from ztunnel.proxy.relay import PlainConnection
 from ztunnel.sockets import peer_addr, set_accepted_options
 from ztunnel.state.workload import IPAddress, canonical_ip
@@ -210,10 +211,12 @@ class _Handshake(asyncio.Protocol):
         self.parser = Socks5Parser()
         self.transport: asyncio.Transport | None = None
         self.src: tuple[IPAddress, int] | None = None
+        self.socket: OpenSocket | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
+        self.socket = OpenSocket(self.owner.pi.connections.traffic, "source")
         transport = self.transport
         sock = transport.get_extra_info("socket")
         set_accepted_options(sock, self.owner.pi.sockets.cfg, keepalive=False)
@@ -249,13 +252,17 @@ class _Handshake(asyncio.Protocol):
         if ev.leftover:
             plain.preload(ev.leftover)
         plain.reading_paused = True
+        if self.socket is not None:
+            plain.on_lost = self.socket.closed  # the socket is the relay's now, and counted until it closes
+            self.socket = None
         plain._pause_reasons |= 1  # resumed when the relay is attached
         transport.set_protocol(plain)
         plain.connection_made(transport)
         self.owner.pi.tasks.spawn(self.owner.connect(plain, self.src, ev, method_reply), "socks5")
 
     def connection_lost(self, exc: Exception | None) -> None:
-        pass
+        if self.socket is not None:  # closed during the handshake
+            self.socket.closed()
 
 
 class Socks5(Listener):

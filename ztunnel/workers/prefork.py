@@ -7,7 +7,8 @@ process. Forked from a process that imported them once, and with ``gc.freeze()``
 objects' pages, a worker's own share is ~15 MiB (docs/architecture.md, "Processes", has the numbers).
 
 Why it is safe to fork here: ``ztunnel/__main__.py`` calls :meth:`Preforked.start` before the event loop, gRPC or
-any other thread exists, so no fork copies a lock another thread holds; and before importing aiohttp or any
+any other thread exists (but the log writer's, ``ztunnel/telemetry.py``, whose queue and thread a forked child
+replaces with its own at once), so no fork copies a lock another thread holds; and before importing aiohttp or any
 control-plane client, so no worker has them. Later, with threads running, the control process never forks: a
 worker that has to be replaced is started as a new interpreter (the supervisor does it), which only costs more.
 

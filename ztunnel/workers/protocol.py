@@ -16,7 +16,7 @@ Who asks what (requests carry a ``request_id`` the answer repeats; each side num
 
 - control -> worker: :class:`Start`, :class:`Snapshot`, :class:`Delta`, :class:`CertificatePush`,
   :class:`AddPod` / :class:`DelPod` / :class:`HandIn` (answered by :class:`Ack`), :class:`Drain`, :class:`Query`
-  (answered by :class:`Reply`), :class:`SetLogLevel`, and the answers :class:`CertificateReply`,
+  and :class:`Profile` (answered by :class:`Reply`), :class:`SetLogLevel`, and the answers :class:`CertificateReply`,
   :class:`OnDemandDone` and :class:`Ack`;
 - worker -> control: :class:`Ready`, :class:`Failed`, :class:`Resync`, :class:`CertificateRequest`,
   :class:`OnDemandRequest`, :class:`HandOff`, and the answers :class:`Ack` and :class:`Reply`.
@@ -174,6 +174,21 @@ class Query(Request):
     (per-pod connections for the config dump). Answered by a Reply."""
 
     what: str
+    request_id: int = 0
+
+
+@dataclass(slots=True)
+class Profile(Request):
+    """The admin's profiling endpoints, for this worker (:mod:`ztunnel.profiling`): ``kind`` ``cpu`` (sample its
+    stacks for ``seconds`` at ``frequency`` Hz), ``heap`` (a tracemalloc snapshot) or ``heap-profiling`` (switch
+    tracemalloc per ``activate``). Answered by a Reply whose value is the folded-stack counts, the snapshot text, or
+    whether heap profiling is on; or a :class:`~ztunnel.profiling.ProfileFailed`. The worker samples on a thread,
+    so its event loop serves traffic meanwhile."""
+
+    kind: str
+    seconds: int = 0
+    frequency: int = 0
+    activate: bool | None = None
     request_id: int = 0
 
 

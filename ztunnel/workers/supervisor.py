@@ -608,6 +608,30 @@ class Supervisor:
             out.append((h, r))
         return out
 
+    async def profile(
+        self, kind: str, seconds: int = 0, frequency: int = 0, activate: bool | None = None
+    ) -> list[tuple[str, Any]]:
+        """The admin's profiling request (``Profile``) answered by every live worker, as ``("worker-<i>", value)``
+        (value: the worker's answer, or a ``ProfileFailed``). A worker that does not answer within the profile's
+        seconds plus ``ANSWER_TIMEOUT`` is left out, with a warning."""
+        live = self.live()
+
+        async def one(h: WorkerHandle) -> Any:
+            assert h.channel is not None
+            msg = p.Profile(kind, seconds, frequency, activate)
+            reply = await asyncio.wait_for(h.channel.call(msg, (), p.Reply), seconds + ANSWER_TIMEOUT)
+            return reply.value
+
+        results = await asyncio.gather(*(one(h) for h in live), return_exceptions=True)
+        out: list[tuple[str, Any]] = []
+        for h, r in zip(live, results, strict=True):
+            if isinstance(r, BaseException):
+                if not isinstance(r, ChannelClosed):
+                    log.warning("worker %d did not answer the %s profile: %s", h.index, kind, r or type(r).__name__)
+                continue
+            out.append((f"worker-{h.index}", r))
+        return out
+
     async def connections(self) -> list[dict[str, Any]]:
         """The admin ``/connections`` rows of every worker, each with its ``worker`` index."""
         return [row for _, rows in await self._query("connections") for row in rows]

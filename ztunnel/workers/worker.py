@@ -30,7 +30,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from ztunnel import telemetry, thirdparty
+from ztunnel import profiling, telemetry, thirdparty
 from ztunnel.config import Config, LogFormat, ProxyMode
 from ztunnel.dns import DnsProxy
 from ztunnel.dns.metrics import Metrics as DnsMetrics
@@ -52,7 +52,7 @@ from ztunnel.state import ProxyState
 from ztunnel.tasks import TaskGroup
 from ztunnel.workers import protocol as p
 from ztunnel.workers.balance import LoadBoard, WorkerBalance
-from ztunnel.workers.channel import Channel, Handler
+from ztunnel.workers.channel import Channel, ChannelClosed, Handler
 from ztunnel.workers.process import set_cmdline, set_name
 
 log = logging.getLogger("ztunnel.workers")
@@ -178,6 +178,8 @@ class Worker:
                 return
             case p.Query():
                 self._send(p.Reply(msg.request_id, self._answer(msg.what)))
+            case p.Profile():
+                self.tasks.spawn(self._profile(msg), "profile")
             case p.Drain():
                 self._drain(msg)
             case p.SetLogLevel():
@@ -405,6 +407,24 @@ class Worker:
         if what == "metrics":
             return self._metrics()
         raise ValueError(f"unknown query {what!r}")
+
+    async def _profile(self, msg: p.Profile) -> None:
+        """Answer the admin's profiling request; the sampling and the heap snapshot run on a thread."""
+        name = f"worker-{self.index}"
+        value: Any
+        try:
+            if msg.kind == "cpu":
+                value = await asyncio.to_thread(profiling.cpu_profile, msg.seconds, msg.frequency, name)
+            elif msg.kind == "heap":
+                value = await asyncio.to_thread(profiling.heap_snapshot, name)
+            elif msg.kind == "heap-profiling":
+                value = profiling.set_heap_profiling(msg.activate)
+            else:
+                value = profiling.ProfileFailed(f"unknown profile kind {msg.kind!r}")
+        except profiling.ProfileError as e:
+            value = profiling.ProfileFailed(str(e))
+        with contextlib.suppress(ChannelClosed):
+            self._send(p.Reply(msg.request_id, value))
 
     def _metrics(self) -> Snapshot:
         """Every family of this worker, with the bytes of open connections counted up to now."""
