@@ -166,13 +166,15 @@ WARNINGS = [(name, value) for s in SETTINGS for name, value in (s.warns_when or 
 REFUSALS = [(name, value) for s in SETTINGS for name, value in (s.refused_when or {}).items()]
 
 
-@pytest.mark.parametrize(("name", "value"), WARNINGS)
-def test_a_setting_without_effect_warns(name: str, value: str) -> None:
-    cfg = from_env({name: value})
-    (message,) = [w for w in cfg.warnings if w.startswith((f"{name}=", f"{name} "))]
-    assert "has no effect yet: " in message
-    # The value: as given, or for PROXY_CONFIG the field that has no effect.
-    assert ("concurrency=4" if name == "PROXY_CONFIG" else repr(value)) in message
+def test_a_setting_without_effect_warns() -> None:
+    # Since issues 16-19 every documented setting has its effect or is refused, so no row warns; a row added with
+    # warns_when is checked here (a loop, not a parametrization, so that an empty list is not a skip).
+    for name, value in WARNINGS:
+        cfg = from_env({name: value})
+        (message,) = [w for w in cfg.warnings if w.startswith((f"{name}=", f"{name} "))]
+        assert "has no effect yet: " in message
+        # The value: as given, or for PROXY_CONFIG the field that has no effect.
+        assert ("concurrency=4" if name == "PROXY_CONFIG" else repr(value)) in message
     assert from_env({}).warnings == ()  # nothing set, nothing said
 
 
