@@ -50,7 +50,7 @@ def judge(observed: str, *, like_upstream: bool, acceptable: bool | None = None)
     return Outcome(Verdict.DIFF if acceptable else Verdict.FAIL, observed)
 
 
-class Skip(Exception):  # noqa: N818 - a control-flow signal, like pytest's
+class Skip(Exception):
     """Raised by a check that cannot run; the message says why."""
 
 
@@ -99,9 +99,7 @@ async def _no_violations() -> str | None:
     return None
 
 
-async def _run_one(
-    check: Check[Ctx], ctx: Ctx, limit: float, after: Callable[[], Awaitable[str | None]]
-) -> Result:
+async def _run_one(check: Check[Ctx], ctx: Ctx, limit: float, after: Callable[[], Awaitable[str | None]]) -> Result:
     start = time.monotonic()
     try:
         outcome = await asyncio.wait_for(check.run(ctx), limit)
@@ -133,7 +131,9 @@ async def run_checks(
     connections). ``limit`` bounds each check. ``violations()`` is asked after each check for an HTTP/2 violation
     the wire saw meanwhile (it turns the check's verdict into FAIL). Results come back in ``checks``' order."""
     background = {
-        c.id: asyncio.ensure_future(_run_one(c, ctx, limit, _no_violations)) for c in checks if c.background
+        c.id: asyncio.get_running_loop().create_task(_run_one(c, ctx, limit, _no_violations), name=f"check-{c.id}")
+        for c in checks
+        if c.background
     }
     results: dict[str, Result] = {}
     try:

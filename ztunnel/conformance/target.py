@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import os
 import ssl
-import tempfile
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -99,14 +98,16 @@ class TargetContext:
     async def connect(
         self,
         *,
-        cert: tuple[Path, Path] | None | str = "default",
+        cert: tuple[Path, Path] | str | None = "default",
         max_version: ssl.TLSVersion | None = None,
         alpn: tuple[str, ...] = ("h2",),
         settings: dict[int, int] | None = None,
         connection_window: int = UPSTREAM_CONNECTION_WINDOW,
         auto_release: bool = True,
+        tracked: bool = True,
     ) -> Wire:
-        """A TLS connection to the target (no SNI, as upstream's client), our preface and SETTINGS sent."""
+        """A TLS connection to the target (no SNI, as upstream's client), our preface and SETTINGS sent. A tracked
+        connection is closed (and its violations reported) after the check; a background check closes its own."""
         chosen = (self.spec.cert, self.spec.key) if cert == "default" else cert
         assert not isinstance(chosen, str)
         ctx = self.tls_context(chosen, max_version=max_version, alpn=alpn)
@@ -123,7 +124,8 @@ class TargetContext:
             connection_window=connection_window,
             auto_release=auto_release,
         )
-        self._wires.append(wire)
+        if tracked:
+            self._wires.append(wire)
         wire.start()
         return wire
 
@@ -222,7 +224,7 @@ def answer(wire: Wire, stream: Stream) -> str:
     return "no answer"
 
 
-# -- TLS ----------------------------------------------------------------------------------------------------------------
+# -- TLS ---------------------------------------------------------------------------------------------------------------
 
 
 async def tls_version(ctx: TargetContext) -> Outcome:
@@ -311,7 +313,7 @@ async def expired(ctx: TargetContext) -> Outcome:
     return await refused(ctx, cert, "certificate expired a day ago")
 
 
-# -- HTTP/2 connection --------------------------------------------------------------------------------------------------
+# -- HTTP/2 connection -------------------------------------------------------------------------------------------------
 
 
 async def preface(ctx: TargetContext) -> Outcome:
@@ -365,16 +367,21 @@ async def ping(ctx: TargetContext) -> Outcome:
 
 
 async def keepalive(ctx: TargetContext) -> Outcome:
-    wire = await ctx.connect()
+    wire = await ctx.connect(tracked=False)
     loop = asyncio.get_running_loop()
     start = loop.time()
-    got = await wire.wait_for(lambda: wire.pings, 25.0)
+    try:
+        got = await wire.wait_for(lambda: wire.pings, 25.0)
+    finally:
+        await wire.close()
+    if wire.violations:
+        return judge(f"HTTP/2 violation: {'; '.join(wire.violations)}", like_upstream=False)
     if got:
         return judge(f"first PING after {loop.time() - start:.1f} s, acknowledged by us", like_upstream=True)
     return judge(f"no PING in 25 s ({wire.close_reason or 'connection open'})", like_upstream=False, acceptable=True)
 
 
-# -- CONNECT validation ---------------------------------------------------------------------------------------------
+# -- CONNECT validation ------------------------------------------------------------------------------------------------
 
 
 def refusal_check(
@@ -415,7 +422,7 @@ async def connect_ok(ctx: TargetContext) -> Outcome:
     return judge(f"{answer(wire, stream)}, headers {stream.headers}", like_upstream=stream.status == "200")
 
 
-# -- data -----------------------------------------------------------------------------------------------------------
+# -- data --------------------------------------------------------------------------------------------------------------
 
 
 def payload_of(size: int, seed: int = 0) -> bytes:
@@ -428,7 +435,9 @@ def echo_verdict(wire: Wire, stream: Stream, payload: bytes, what: str) -> Outco
     if stream.reset is not None:
         return judge(f"{what}: stream reset {error_name(stream.reset)} after {len(got)} bytes", like_upstream=False)
     if got != payload:
-        same = next((i for i, (a, b) in enumerate(zip(got, payload, strict=False)) if a != b), min(len(got), len(payload)))
+        same = next(
+            (i for i, (a, b) in enumerate(zip(got, payload, strict=False)) if a != b), min(len(got), len(payload))
+        )
         return judge(f"{what}: {len(got)} of {len(payload)} bytes back, equal up to byte {same}", like_upstream=False)
     if not stream.ended:
         return judge(f"{what}: all {len(got)} bytes back but no END_STREAM", like_upstream=False)
@@ -478,7 +487,9 @@ async def stalled_reader(ctx: TargetContext) -> Outcome:
     wire = await ctx.connect(settings=settings, auto_release=False)
     stream = await ctx.tunnel(wire)
     payload = payload_of(1024 * 1024, 3)
-    sender = asyncio.ensure_future(wire.send_data(stream, payload, end_stream=True, timeout=60))
+    sender = asyncio.get_running_loop().create_task(
+        wire.send_data(stream, payload, end_stream=True, timeout=60), name="conformance-stalled-sender"
+    )
     try:
         await wire.wait_for(lambda: len(stream.data) >= 65535 or wire.violations, ctx.spec.timeout)
         await ctx.barrier(wire)
@@ -510,7 +521,7 @@ async def stalled_isolated(ctx: TargetContext) -> Outcome:
     return out
 
 
-# -- streams and connection control ---------------------------------------------------------------------------------
+# -- streams and connection control ------------------------------------------------------------------------------------
 
 
 async def rst_cancel(ctx: TargetContext) -> Outcome:
@@ -559,7 +570,12 @@ async def concurrent_streams(ctx: TargetContext) -> Outcome:
     if refused:
         return judge(f"{len(refused)} of {count} CONNECTs not 200: {sorted(set(refused))}", like_upstream=False)
     payloads = [payload_of(16 * 1024, i) for i in range(count)]
-    await asyncio.gather(*(wire.send_data(s, p, end_stream=True, timeout=ctx.spec.timeout) for s, p in zip(streams, payloads, strict=True)))
+    await asyncio.gather(
+        *(
+            wire.send_data(s, p, end_stream=True, timeout=ctx.spec.timeout)
+            for s, p in zip(streams, payloads, strict=True)
+        )
+    )
     await wire.wait_for(lambda: all(s.ended or s.reset is not None for s in streams), ctx.spec.timeout * 2)
     bad = [s.id for s, p in zip(streams, payloads, strict=True) if bytes(s.data) != p or not s.ended]
     return judge(
@@ -597,7 +613,7 @@ async def over_limit(ctx: TargetContext) -> Outcome:
     )
 
 
-# -- the suite ------------------------------------------------------------------------------------------------------
+# -- the suite ---------------------------------------------------------------------------------------------------------
 
 _RST_PROTOCOL = f"RST_STREAM {error_name(PROTOCOL_ERROR)}"
 _H2_MALFORMED = "h2 crate src/server.rs::convert_poll_message: a malformed request is a stream error"
@@ -840,8 +856,9 @@ CHECKS: list[Check[TargetContext]] = [
         "streams.goaway_from_client",
         "a client's GOAWAY does not cut its open tunnel",
         "a tunnel, 64 KiB, GOAWAY(last_stream_id 0, NO_ERROR), 64 KiB more and END_STREAM",
-        "upstream (the h2 crate) ends the connection soon after a client's GOAWAY and cuts the open tunnel (seen "
-        "against upstream 62d8265); its own client sends GOAWAY only once its streams are done",
+        "upstream (the h2 crate) may end the connection after a client's GOAWAY before the open tunnel's last bytes "
+        "(seen against upstream 62d8265: cut at 117760 of 131072 bytes in one run, intact in the next); its own "
+        "client sends GOAWAY only once its streams are done",
         "PASS if all 128 KiB come back intact followed by END_STREAM, as RFC 9113 §6.8 has it (GOAWAY limits only "
         "the streams its receiver may open); DIFF if the tunnel is cut, as upstream does",
         goaway_from_client,

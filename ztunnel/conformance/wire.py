@@ -271,9 +271,7 @@ class Wire:
             size = min(len(view), self.peer_max_frame, self.send_window, stream.send_window)
             if size <= 0 and view:
                 granted = await self.wait_for(
-                    lambda: (
-                        min(self.send_window, stream.send_window) > 0 or stream.reset is not None or self.closed
-                    ),
+                    lambda: min(self.send_window, stream.send_window) > 0 or stream.reset is not None or self.closed,
                     timeout,
                 )
                 if not granted:
