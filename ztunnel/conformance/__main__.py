@@ -11,11 +11,14 @@ import asyncio
 import ssl
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from ztunnel.conformance import report
 from ztunnel.conformance.checks import FAILING, Check, Result, Verdict, run_checks, select
+
+C = TypeVar("C")
 
 
 class UsageError(Exception):
@@ -84,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _required(args: argparse.Namespace, *names: str) -> None:
+def required(args: argparse.Namespace, *names: str) -> None:
     missing = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is None]
     if missing:
         raise UsageError(f"{' '.join(missing)} required with {'--target' if args.target else '--serve'}")
@@ -93,7 +96,7 @@ def _required(args: argparse.Namespace, *names: str) -> None:
 async def _target(args: argparse.Namespace, progress: bool) -> tuple[list[Result], dict[str, object]]:
     from ztunnel.conformance.target import CHECKS, TargetContext, TargetSpec
 
-    _required(args, "ca", "cert", "key", "expect_identity")
+    required(args, "ca", "cert", "key", "expect_identity")
     host, port = parse_addr(args.target, "--target")
     authority = args.authority or (f"[{host}]:8080" if ":" in host else f"{host}:8080")
     parse_addr(authority, "--authority")
@@ -112,7 +115,7 @@ async def _target(args: argparse.Namespace, progress: bool) -> tuple[list[Result
         ssl.create_default_context(cafile=str(spec.ca)).load_cert_chain(str(spec.cert), str(spec.key))
     except (ssl.SSLError, ValueError) as e:
         raise UsageError(f"--ca {spec.ca} / --cert {spec.cert} / --key {spec.key}: not usable for TLS: {e}") from e
-    checks = _selected(CHECKS, args)
+    checks = selected(CHECKS, args)
     with tempfile.TemporaryDirectory(prefix="hbone-conformance-") as tmp:
         ctx = TargetContext(spec, Path(tmp))
         results = await run_checks(
@@ -122,14 +125,15 @@ async def _target(args: argparse.Namespace, progress: bool) -> tuple[list[Result
     return results, {"mode": "target", "target": args.target, "authority": authority}
 
 
-def _selected(checks: Sequence[Check[object]] | Sequence[Check[object]], args: argparse.Namespace) -> list:  # type: ignore[type-arg]
+def selected(checks: Sequence[Check[C]], args: argparse.Namespace) -> list[Check[C]]:
+    """``--check`` / ``--skip`` applied to ``checks``."""
     try:
         return select(checks, args.check, args.skip)
     except ValueError as e:
         raise UsageError(str(e)) from e
 
 
-def _printer(progress: bool):  # type: ignore[no-untyped-def]
+def _printer(progress: bool) -> Callable[[Result], None]:
     def show(r: Result) -> None:
         if progress:
             print(f"  {r.outcome.verdict:<5} {r.check.id}", file=sys.stderr, flush=True)

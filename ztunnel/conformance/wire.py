@@ -105,6 +105,7 @@ class Stream:
     data_frames: int = 0
     largest_frame: int = 0
     sent_end: bool = False
+    stalled: bool = False  # received DATA is not released to the peer (a reader that stopped reading)
 
     def header(self, name: str) -> str | None:
         """The first value of header ``name`` in the first header block, or None."""
@@ -185,6 +186,7 @@ class Wire:
         self._header_block: tuple[int, bytearray, bool] | None = None  # (stream, block, END_STREAM) in progress
         self._changed = asyncio.Event()
         self._reader_task: asyncio.Task[None] | None = None
+        self.on_stream: Callable[[Stream], None] | None = None  # server side: called for every new request
 
     # -- life cycle ---------------------------------------------------------------------------------------------------
 
@@ -427,6 +429,8 @@ class Wire:
             stream.ended = True
         if is_new and not self.client:
             self.new_streams.put_nowait(stream)
+            if self.on_stream is not None:
+                self.on_stream(stream)
 
     def _on_data(self, frame: DataFrame) -> None:
         stream = self._stream(frame.stream_id)
@@ -452,7 +456,7 @@ class Wire:
         stream.largest_frame = max(stream.largest_frame, len(frame.data))
         if "END_STREAM" in frame.flags:
             stream.ended = True
-        if self.auto_release and size:
+        if self.auto_release and size and not stream.stalled:
             self.release(stream, size)
 
 
