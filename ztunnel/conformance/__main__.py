@@ -111,11 +111,11 @@ async def _target(args: argparse.Namespace, progress: bool) -> tuple[list[Result
         ca_key=readable(args.ca_key, "--ca-key"),
         timeout=args.timeout,
     )
+    checks = selected(CHECKS, args)
     try:
         ssl.create_default_context(cafile=str(spec.ca)).load_cert_chain(str(spec.cert), str(spec.key))
     except (ssl.SSLError, ValueError) as e:
         raise UsageError(f"--ca {spec.ca} / --cert {spec.cert} / --key {spec.key}: not usable for TLS: {e}") from e
-    checks = selected(CHECKS, args)
     with tempfile.TemporaryDirectory(prefix="hbone-conformance-") as tmp:
         ctx = TargetContext(spec, Path(tmp))
         results = await run_checks(
