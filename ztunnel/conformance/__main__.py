@@ -10,13 +10,12 @@ import argparse
 import asyncio
 import ssl
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 from ztunnel.conformance import report
-from ztunnel.conformance.checks import FAILING, Check, Result, Verdict, run_checks, select
+from ztunnel.conformance.checks import FAILING, Check, Result, Verdict, select
 
 C = TypeVar("C")
 
@@ -94,7 +93,7 @@ def required(args: argparse.Namespace, *names: str) -> None:
 
 
 async def _target(args: argparse.Namespace, progress: bool) -> tuple[list[Result], dict[str, object]]:
-    from ztunnel.conformance.target import CHECKS, TargetContext, TargetSpec
+    from ztunnel.conformance.target import CHECKS, TargetSpec, run_target
 
     required(args, "ca", "cert", "key", "expect_identity")
     host, port = parse_addr(args.target, "--target")
@@ -116,12 +115,7 @@ async def _target(args: argparse.Namespace, progress: bool) -> tuple[list[Result
         ssl.create_default_context(cafile=str(spec.ca)).load_cert_chain(str(spec.cert), str(spec.key))
     except (ssl.SSLError, ValueError) as e:
         raise UsageError(f"--ca {spec.ca} / --cert {spec.cert} / --key {spec.key}: not usable for TLS: {e}") from e
-    with tempfile.TemporaryDirectory(prefix="hbone-conformance-") as tmp:
-        ctx = TargetContext(spec, Path(tmp))
-        results = await run_checks(
-            checks, ctx, limit=max(60.0, 6 * args.timeout), violations=ctx.finish, on_result=_printer(progress)
-        )
-        await ctx.finish()
+    results = await run_target(spec, checks, on_result=_printer(progress))
     return results, {"mode": "target", "target": args.target, "authority": authority}
 
 

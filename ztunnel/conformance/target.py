@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import os
 import ssl
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -19,7 +21,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from ztunnel.conformance.checks import Check, CheckError, Outcome, Skip, Verdict, judge
+from ztunnel.conformance.checks import Check, CheckError, Outcome, Result, Skip, Verdict, judge, run_checks
 from ztunnel.conformance.wire import (
     CANCEL,
     ENABLE_PUSH,
@@ -611,6 +613,27 @@ async def over_limit(ctx: TargetContext) -> Outcome:
         like_upstream=extra.reset == REFUSED_STREAM,
         acceptable=refusal and (extra.reset in (REFUSED_STREAM, PROTOCOL_ERROR) or wire.goaway is not None),
     )
+
+
+async def run_target(
+    spec: TargetSpec,
+    checks: list[Check[TargetContext]] | None = None,
+    on_result: Callable[[Result], None] = lambda r: None,
+) -> list[Result]:
+    """Run ``checks`` (default: all) against the terminator ``spec`` names; certificates made for the identity
+    checks live in a temporary directory for the run."""
+    with tempfile.TemporaryDirectory(prefix="hbone-conformance-") as tmp:
+        ctx = TargetContext(spec, Path(tmp))
+        try:
+            return await run_checks(
+                checks if checks is not None else CHECKS,
+                ctx,
+                limit=max(60.0, 6 * spec.timeout),
+                violations=ctx.finish,
+                on_result=on_result,
+            )
+        finally:
+            await ctx.finish()
 
 
 # -- the suite ---------------------------------------------------------------------------------------------------------
