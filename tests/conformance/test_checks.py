@@ -151,3 +151,17 @@ async def test_runner_verdicts_and_errors() -> None:
         ("d", Verdict.ERROR),
     ]
     assert results[1].outcome.observed == "needs --ca-key" and "KeyError" in results[3].outcome.observed
+
+
+def test_every_check_is_documented() -> None:
+    """docs/conformance.md names every check of both modes, and no check that does not exist."""
+    import re
+
+    from ztunnel.conformance import originator, target
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "conformance.md").read_text()
+    ids = {c.id for c in target.CHECKS} | {c.id for c in originator.CHECKS}
+    named = set(re.findall(r"`((?:tls|identity|h2|connect|data|flow|streams|origin)\.[a-z0-9_.]+)`", text))
+    assert ids - named == set(), "checks missing from docs/conformance.md"
+    assert named - ids == set(), "docs/conformance.md names checks that do not exist"
+    assert f"{len(target.CHECKS)} checks" in text and f"{len(originator.CHECKS)} checks" in text

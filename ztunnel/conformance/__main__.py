@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import ssl
 import sys
 from collections.abc import Callable, Sequence
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument(
         "--serve", metavar="HOST:PORT", help="listen there as an HBONE server and check the originator that connects"
     )
-    mode.add_argument("--list", action="store_true", help="list the checks (with --serve-checks: the server mode's)")
+    mode.add_argument("--list", action="store_true", help="list the checks: id, what each sends, upstream, rule")
     p.add_argument("--ca", metavar="PEM", help="root certificate(s) that verify the peer's certificate")
     p.add_argument("--cert", metavar="PEM", help="our certificate chain (a SPIFFE identity the peer accepts)")
     p.add_argument("--key", metavar="PEM", help="our private key")
@@ -81,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip", action="append", default=[], metavar="ID", help="leave these checks out (id or prefix)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds one wait may take (default 10)")
     p.add_argument("--strict", action="store_true", help="a DIFF fails too")
-    p.add_argument("--serve-checks", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--serve-checks", action="store_true", help="with --list: list the server mode's checks")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table")
     return p
 
@@ -135,6 +136,37 @@ def _printer(progress: bool) -> Callable[[Result], None]:
     return show
 
 
+async def _serve(args: argparse.Namespace, progress: bool) -> tuple[list[Result], dict[str, object]]:
+    from ztunnel.conformance.originator import CHECKS, Driver, OriginContext, OriginSpec, run_originator
+
+    required(args, "ca", "cert", "key", "expect_identity", "drive")
+    host, port = parse_addr(args.serve, "--serve")
+    try:
+        driver = Driver.parse(args.drive)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    spec = OriginSpec(
+        ca=readable(args.ca, "--ca") or Path(),
+        cert=readable(args.cert, "--cert") or Path(),
+        key=readable(args.key, "--key") or Path(),
+        expect_identity=args.expect_identity,
+        driver=driver,
+        timeout=args.timeout,
+    )
+    checks = selected(CHECKS, args)
+    try:
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        raise UsageError(f"--serve {args.serve}: cannot listen: {e.strerror or e}") from e
+    try:
+        OriginContext(spec).tls_context()
+    except (ssl.SSLError, OSError, ValueError) as e:
+        sock.close()
+        raise UsageError(f"--ca {spec.ca} / --cert {spec.cert} / --key {spec.key}: not usable for TLS: {e}") from e
+    results = await run_originator(spec, sock, checks, on_result=_printer(progress))
+    return results, {"mode": "serve", "serve": args.serve, "drive": str(driver)}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -149,9 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.target:
             results, about = asyncio.run(_target(args, progress=args.output == "table" and sys.stderr.isatty()))
         else:
-            from ztunnel.conformance.originator import run_server_mode
-
-            results, about = asyncio.run(run_server_mode(args))
+            results, about = asyncio.run(_serve(args, progress=args.output == "table" and sys.stderr.isatty()))
     except UsageError as e:
         print(f"conformance: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,6 @@ it needs (echo, 401, RST_STREAM, GOAWAY, a stalled reader).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import ipaddress
@@ -729,38 +728,6 @@ async def run_originator(
     finally:
         await ctx.stop()
         loop.set_exception_handler(previous)
-
-
-async def run_server_mode(args: argparse.Namespace) -> tuple[list[Result], dict[str, object]]:
-    """The command line's ``--serve`` mode."""
-    from ztunnel.conformance.__main__ import UsageError, parse_addr, readable, required, selected
-
-    required(args, "ca", "cert", "key", "expect_identity", "drive")
-    host, port = parse_addr(args.serve, "--serve")
-    try:
-        driver = Driver.parse(args.drive)
-    except ValueError as e:
-        raise UsageError(str(e)) from e
-    spec = OriginSpec(
-        ca=readable(args.ca, "--ca") or Path(),
-        cert=readable(args.cert, "--cert") or Path(),
-        key=readable(args.key, "--key") or Path(),
-        expect_identity=args.expect_identity,
-        driver=driver,
-        timeout=args.timeout,
-    )
-    checks = selected(CHECKS, args)
-    try:
-        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-    except OSError as e:
-        raise UsageError(f"--serve {args.serve}: cannot listen: {e.strerror or e}") from e
-    try:
-        OriginContext(spec).tls_context()
-    except (ssl.SSLError, OSError, ValueError) as e:
-        sock.close()
-        raise UsageError(f"--ca {spec.ca} / --cert {spec.cert} / --key {spec.key}: not usable for TLS: {e}") from e
-    results = await run_originator(spec, sock, checks)
-    return results, {"mode": "serve", "serve": args.serve, "drive": str(driver)}
 
 
 __all__ = ["CHECKS", "Driver", "OriginContext", "OriginSpec", "Verdict", "run_originator"]
