@@ -30,12 +30,9 @@ CLIENT = Identity("cluster.local", "default", "client")
 SERVER = Identity("cluster.local", "default", "server")
 
 # Our ztunnel, where it answers otherwise than upstream. Found by this checker; recorded in docs/conformance.md.
-# (Malformed requests cost only their own stream since this checker found that they cost the whole connection:
-# tests/proxy/hbone/test_malformed_requests.py.)
+# (A malformed request, or one stream over the limit, costs only its own stream since this checker found that it
+# cost the whole connection: tests/proxy/hbone/test_malformed_requests.py.)
 OURS_DIFFERENCES: dict[str, str | frozenset[str]] = {
-    # A stream over SETTINGS_MAX_CONCURRENT_STREAMS: python-h2 ends the connection (GOAWAY PROTOCOL_ERROR) where the
-    # h2 crate refuses the one stream (RST_STREAM REFUSED_STREAM). Upstream's client never goes over the limit.
-    "streams.over_limit": "DIFF",
     # OpenSSL has no way for the server to refuse a ClientHello without h2 in its ALPN; our ztunnel closes the
     # connection after the handshake instead (rustls refuses the handshake).
     "tls.alpn_without_h2": "DIFF",

@@ -77,3 +77,25 @@ def test_unknown_pseudo_header_is_a_connection_error() -> None:
     with pytest.raises(HboneProtocolError, match="unknown pseudo-header") as e:
         server_with([[*GOOD, (":tunnel", "1")]])
     assert e.value.code == ErrorCode.PROTOCOL_ERROR
+
+
+def test_a_stream_over_the_limit_is_refused_alone() -> None:
+    """SETTINGS_MAX_CONCURRENT_STREAMS 200 (acknowledged): the 201st open stream gets RST_STREAM REFUSED_STREAM and
+    the connection, with its 200 streams, goes on; once one ends, a new one is accepted again."""
+    s = HboneConnection(False)
+    s.initiate()
+    s.data_to_send()
+    enc = hpack.Encoder()
+    wire = bytearray(PREFACE + SettingsFrame(0).serialize() + SettingsFrame(0, flags=["ACK"]).serialize())
+    for i in range(201):
+        wire += HeadersFrame(1 + 2 * i, data=enc.encode(GOOD), flags=["END_HEADERS"]).serialize()
+    events = s.receive_data(bytes(wire))
+    sent = frames(s.data_to_send())
+    assert len([e for e in events if isinstance(e, ConnectRequested)]) == 200
+    assert [(f.stream_id, f.error_code) for f in sent if isinstance(f, RstStreamFrame)] == [
+        (401, ErrorCode.REFUSED_STREAM)
+    ]
+    assert not [f for f in sent if isinstance(f, GoAwayFrame)] and not s.closed
+    s.reset_stream(1)  # one tunnel ends: room for one more
+    events = s.receive_data(HeadersFrame(403, data=enc.encode(GOOD), flags=["END_HEADERS"]).serialize())
+    assert [e.stream_id for e in events if isinstance(e, ConnectRequested)] == [403]

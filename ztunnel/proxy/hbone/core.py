@@ -354,6 +354,11 @@ class HboneConnection:
         # h2 applies a header list limit to its HPACK decoder only on a SETTINGS ACK; ours is in force at once.
         self.h2.decoder.max_header_list_size = s.max_header_list_size
         self.h2.initiate_connection()
+        if s.max_concurrent_streams is not None and not self.client_side:
+            # We advertise the limit (above) and enforce it ourselves in _translate: a stream over it is refused
+            # alone (RST_STREAM REFUSED_STREAM, as upstream's h2 crate, RFC 9113 §5.1.2), where h2's own check ends
+            # the whole connection. Set without sending, h2 takes this (unlimited) value once the peer ACKs.
+            self.h2.local_settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = 2**31 - 1
         # h2 only applies a bigger inbound frame limit once the peer ACKs our SETTINGS; frames it parses (all but
         # DATA) may legitimately be that large as soon as the peer has seen them, so accept them from the start.
         self.h2.max_inbound_frame_size = s.max_frame_size
@@ -593,6 +598,11 @@ class HboneConnection:
             if isinstance(ev, h2.events.RequestReceived):
                 if self.goaway_sent is not None and ev.stream_id > self.goaway_sent:
                     self.reset_stream(ev.stream_id, ErrorCode.REFUSED_STREAM)  # after our GOAWAY: not processed
+                    continue
+                # Counted here, request by request (h2 has seen the whole batch of frames already).
+                limit = self.settings.max_concurrent_streams
+                if limit is not None and len(self.streams) >= limit:
+                    self._fail_stream(ev.stream_id, ErrorCode.REFUSED_STREAM)
                     continue
                 problem = _request_problem(ev.headers)
                 if problem is not None:
