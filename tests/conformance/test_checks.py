@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -18,7 +19,9 @@ from pathlib import Path
 import pytest
 from hyperframe.frame import DataFrame
 
+from ztunnel.conformance import originator
 from ztunnel.conformance.checks import Check, Outcome, Skip, Verdict, judge, run_checks, select
+from ztunnel.conformance.originator import Driver, OriginSpec, run_originator
 from ztunnel.conformance.target import CHECKS, TargetSpec, run_target
 from ztunnel.conformance.wire import INITIAL_WINDOW_SIZE, MAX_CONCURRENT_STREAMS, Stream, Wire, tls_facts
 from ztunnel.identity.ca import LocalCA
@@ -165,3 +168,96 @@ def test_every_check_is_documented() -> None:
     assert ids - named == set(), "checks missing from docs/conformance.md"
     assert named - ids == set(), "docs/conformance.md names checks that do not exist"
     assert f"{len(target.CHECKS)} checks" in text and f"{len(originator.CHECKS)} checks" in text
+
+
+@contextlib.asynccontextmanager
+async def broken_originator(hbone: tuple[str, int], ca: LocalCA, tmp_path: Path) -> AsyncIterator[tuple[str, int]]:
+    """A TCP entry that tunnels each connection to ``hbone`` badly: SNI sent, :scheme and :path on the CONNECT,
+    DATA sent with no regard for windows, and the downstream FIN never passed on (no END_STREAM)."""
+    cert = ca.issue(CLIENT, timedelta(hours=1))
+    (tmp_path / "o.pem").write_text(cert.chain_pem())
+    (tmp_path / "o.key").write_text(cert.key_pem())
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.load_verify_locations(cadata=ca.root_pem())
+    ctx.load_cert_chain(tmp_path / "o.pem", tmp_path / "o.key")
+    ctx.set_alpn_protocols(["h2"])
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def tunnel(down_r: asyncio.StreamReader, down_w: asyncio.StreamWriter) -> None:
+        reader, writer = await asyncio.open_connection(*hbone, ssl=ctx, server_hostname="bad.example")
+        wire = Wire(reader, writer, client=True, tls=tls_facts(writer))
+        wire.start()
+        stream = wire.open_stream()
+        headers = [(":method", "CONNECT"), (":scheme", "https"), (":path", "/"), (":authority", "10.0.0.1:8080")]
+        wire.send_headers(stream, headers)
+        sent = 0
+
+        def more() -> bool:
+            return len(stream.data) > sent or stream.ended
+
+        async def back() -> None:
+            nonlocal sent
+            while not wire.closed:
+                await wire.wait_for(more, 30)
+                if len(stream.data) > sent:
+                    down_w.write(bytes(stream.data[sent:]))
+                    sent = len(stream.data)
+                if stream.ended:
+                    down_w.write_eof()
+                    return
+
+        task = asyncio.get_running_loop().create_task(back(), name="broken-originator-back")
+        try:
+            while chunk := await down_r.read(16384):
+                wire.send_frame(DataFrame(stream.id, data=chunk))  # windows? never heard of them
+            await asyncio.sleep(30)  # the downstream FIN goes nowhere
+        finally:
+            task.cancel()
+            await wire.close()
+            down_w.close()
+
+    def start(down_r: asyncio.StreamReader, down_w: asyncio.StreamWriter) -> None:
+        task = asyncio.get_running_loop().create_task(tunnel(down_r, down_w), name="broken-originator")
+        tasks.add(task)
+
+    server = await asyncio.start_server(start, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[:2]
+    finally:
+        server.close()
+        for task in list(tasks):
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+ORIGIN_SHOULD = {
+    "origin.connect.request": (Verdict.FAIL, "extra pseudo-headers [':path', ':scheme']"),
+    "origin.flow.respects_window": (Verdict.FAIL, "beyond the stream window"),
+    "origin.data.echo_half_close": (Verdict.FAIL, "then timeout"),
+    "origin.tls.no_sni": (Verdict.DIFF, "SNI 'bad.example'"),
+    "origin.headers.traceparent": (Verdict.DIFF, "no traceparent header"),
+    "origin.h2.settings.enable_push": (Verdict.DIFF, "not sent (RFC default 1)"),
+    "origin.tls.client_identity": (Verdict.PASS, str(CLIENT)),
+}
+
+
+async def test_a_broken_originator_fails(tmp_path: Path, ca_files: tuple[LocalCA, Path, Path]) -> None:
+    ca, _, _ = ca_files
+    server = ca.issue(SERVER, timedelta(hours=1))
+    (tmp_path / "srv.pem").write_text(server.chain_pem())
+    (tmp_path / "srv.key").write_text(server.key_pem())
+    listener = socket.create_server(("127.0.0.1", 0))
+    async with broken_originator(listener.getsockname()[:2], ca, tmp_path) as entry:
+        spec = OriginSpec(
+            ca=tmp_path / "ca" / "root-cert.pem",
+            cert=tmp_path / "srv.pem",
+            key=tmp_path / "srv.key",
+            expect_identity=str(CLIENT),
+            driver=Driver("tcp", *entry),
+            timeout=3,
+        )
+        checks = select(originator.CHECKS, list(ORIGIN_SHOULD), [])
+        results = {r.check.id: r.outcome for r in await run_originator(spec, listener, checks)}
+    for cid, (verdict, seen) in ORIGIN_SHOULD.items():
+        assert results[cid].verdict is verdict and seen in results[cid].observed, (cid, results[cid])
