@@ -208,8 +208,12 @@ class Wire:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader_task
         self.writer.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.writer.wait_closed(), 2)
+        try:
+            # TLS close_notify both ways; a peer that does not answer it in 0.2 s (some never do) is cut off,
+            # or every check would wait for it (asyncio's TLS shutdown timeout is 30 s).
+            await asyncio.wait_for(self.writer.wait_closed(), 0.2)
+        except (TimeoutError, ConnectionError, OSError, ssl.SSLError):
+            self.writer.transport.abort()
 
     def _notify(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
