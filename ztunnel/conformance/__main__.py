@@ -17,11 +17,13 @@ from typing import TypeVar
 
 from ztunnel.conformance import report
 from ztunnel.conformance.checks import FAILING, Check, Result, Verdict, select
+from ztunnel.errors import ZtunnelError
+from ztunnel.net import format_addr
 
 C = TypeVar("C")
 
 
-class UsageError(Exception):
+class UsageError(ZtunnelError):
     """A bad argument or file; the message names it."""
 
 
@@ -98,7 +100,7 @@ async def _target(args: argparse.Namespace, progress: bool) -> tuple[list[Result
 
     required(args, "ca", "cert", "key", "expect_identity")
     host, port = parse_addr(args.target, "--target")
-    authority = args.authority or (f"[{host}]:8080" if ":" in host else f"{host}:8080")
+    authority = args.authority or format_addr(host, 8080)
     parse_addr(authority, "--authority")
     spec = TargetSpec(
         host=host,

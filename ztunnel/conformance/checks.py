@@ -22,6 +22,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from ztunnel.errors import ZtunnelError
+
 Ctx = TypeVar("Ctx")
 
 
@@ -50,11 +52,11 @@ def judge(observed: str, *, like_upstream: bool, acceptable: bool | None = None)
     return Outcome(Verdict.DIFF if acceptable else Verdict.FAIL, observed)
 
 
-class Skip(Exception):
+class Skip(ZtunnelError):
     """Raised by a check that cannot run; the message says why."""
 
 
-class CheckError(Exception):
+class CheckError(ZtunnelError):
     """Raised by a check whose set-up failed before a verdict (e.g. the baseline tunnel was refused)."""
 
 

@@ -31,6 +31,8 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 
+from ztunnel.errors import ZtunnelError
+
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 # SETTINGS identifiers (RFC 9113 §6.5.2).
@@ -86,7 +88,7 @@ def error_name(code: int | None) -> str:
     return f"{ERROR_NAMES.get(code, 'UNKNOWN')} ({code:#x})"
 
 
-class WireClosed(ConnectionError):
+class WireClosed(ZtunnelError, ConnectionError):
     """The connection closed while a check waited on it; the message says how."""
 
 
