@@ -209,7 +209,7 @@ async def client_conn(ca: LocalCA, identity: Identity = CLIENT_ID) -> HboneTrans
     [
         ("CONNECT", f"{NODE_B_IP}:8080", 200, "connection complete"),
         ("GET", f"{NODE_B_IP}:8080", 400, "unsupported method 'GET'"),
-        ("CONNECT", "not an authority", 400, "invalid authority"),
+        ("CONNECT", "not-an-authority", 400, "invalid authority"),  # no port; a space is malformed: RST_STREAM
         ("CONNECT", "127.0.9.9:8080", 400, f"ip mismatch: 127.0.9.9 != {NODE_B_IP}"),
         ("CONNECT", f"{NODE_B_IP}:8099", 503, "failed to connect"),
         ("CONNECT", f"{NODE_B_IP}:15006", 503, "attempted recursive call to ourselves"),

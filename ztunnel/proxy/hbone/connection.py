@@ -46,6 +46,7 @@ from ztunnel.proxy.hbone.core import (
     HboneProtocolError,
     PingAcked,
     RemoteSettingsChanged,
+    RequestRefused,
     Settings,
     StreamEnded,
     StreamReset,
@@ -352,6 +353,13 @@ class HboneTransport(asyncio.BufferedProtocol):
                     self.close(CloseReason(CloseKind.GOAWAY, "peer sent GOAWAY"))
             elif type(ev) is RemoteSettingsChanged and ev.max_concurrent_streams is not None:
                 self.max_concurrent_streams = ev.max_concurrent_streams
+            elif type(ev) is RequestRefused:
+                log.warning(
+                    "refused a malformed request from %s on stream %d with RST_STREAM PROTOCOL_ERROR: %s",
+                    _format_peer(self.peer),
+                    ev.stream_id,
+                    ev.reason,
+                )
 
     # -- writing -----------------------------------------------------------------------------------------------
 
