@@ -87,13 +87,10 @@ def upstream_bin() -> str | None:
 
 
 def upstream_skip_reason() -> str | None:
-    """Why upstream's modes cannot run here, or None."""
-    path = upstream_bin()
-    if path is None:
-        return f"{UPSTREAM_ENV} is not set (the path of an upstream ztunnel binary, e.g. out/rust/release/ztunnel)"
-    if not os.path.isfile(path) or not os.access(path, os.X_OK):
-        return f"{UPSTREAM_ENV}={path} is not an executable file"
-    return netns_skip_reason()
+    """Why upstream's modes cannot run here (binary unset, missing, not executable; no namespaces), or None."""
+    from ztunnel.testing.interop import upstream_problem
+
+    return upstream_problem() or netns_skip_reason()
 
 
 def netns_skip_reason() -> str | None:
@@ -137,9 +134,7 @@ class NodePairs:
             self.configs: dict[str, Path] = {}
             for impl in self.impls:
                 cfg = workdir / f"{impl}-workloads.yaml"
-                cfg.write_text(
-                    WORKLOADS.format(a=self.nodes[(impl, "a")].ip, b=self.nodes[(impl, "b")].ip, impl=impl)
-                )
+                cfg.write_text(WORKLOADS.format(a=self.nodes[(impl, "a")].ip, b=self.nodes[(impl, "b")].ip, impl=impl))
                 self.configs[impl] = cfg
             self.ca_dir = workdir / "ns-ca"
             if OURS in self.impls:
@@ -298,4 +293,3 @@ class NodePairs:
         self.servers = []
         self.topo.close()
         return issues
-

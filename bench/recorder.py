@@ -73,6 +73,7 @@ class Recorder:
             "ratios": ratio_rows,
             "variant_ratios": variant_rows,
             "targets": report.targets(ratio_rows, summary, variant_rows, self.processes),
+            "targets_upstream": report.upstream_targets(ratio_rows, self.processes),
             "skipped": self.skipped,
             "log_issues": self.log_issues,
             "failures": self.failures,
