@@ -44,7 +44,7 @@ class Direction(enum.Enum):
     OUTBOUND = "outbound"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # one per connection, held as long as it: no per-instance dict
 class ConnectionRecord:
     """One proxied connection, as the access log, metrics and admin see it."""
 
