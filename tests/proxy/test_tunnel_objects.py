@@ -9,12 +9,13 @@ import asyncio
 import ipaddress
 import types
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from ztunnel.proxy.connection_manager import ConnectionRecord, Direction
 from ztunnel.proxy.hbone.core import HboneConnection
-from ztunnel.proxy.hbone.stream import HboneStream
+from ztunnel.proxy.hbone.stream import HboneStream, StreamConnection
 from ztunnel.proxy.relay import PlainConnection
 from ztunnel.testing import (
     NODE_A_IP,
@@ -36,7 +37,11 @@ class _Conn:
 
 def _objects() -> list[object]:
     ip = ipaddress.ip_address("10.0.0.1")
-    return [PlainConnection(), HboneStream(_Conn(), 1), ConnectionRecord(Direction.INBOUND, (ip, 1), (ip, 2))]
+    return [
+        PlainConnection(),
+        HboneStream(cast(StreamConnection, _Conn()), 1),
+        ConnectionRecord(Direction.INBOUND, (ip, 1), (ip, 2)),
+    ]
 
 
 @pytest.mark.parametrize("obj", _objects(), ids=lambda o: type(o).__name__)
