@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from ipaddress import ip_address
 
+from ztunnel.errors import ZtunnelError
 from ztunnel.net import format_addr
 from ztunnel.proxy.common import CONNECTION_TIMEOUT, ProxyError, is_timeout, os_error_reason
 from ztunnel.proxy.connection_manager import ConnectionRecord
@@ -79,7 +80,7 @@ async def connect_plain(
     return upstream
 
 
-class Interrupted(Exception):
+class Interrupted(ZtunnelError):
     """A connect ended early by its :class:`Interrupt` (the socket is closed)."""
 
 
