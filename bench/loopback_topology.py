@@ -35,7 +35,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from bench.topology import APP_PORT, ENVOY_PROBLEM, MODES, ZTUNNEL_PROBLEM, LogIssue, scan_log
+from bench.topology import APP_PORT, ENVOY_PROBLEM, LOOPBACK_MODES, PAIR_MODES, ZTUNNEL_PROBLEM, LogIssue, scan_log
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
 from ztunnel.testing import TwoNodeMesh, ZtunnelProcess
@@ -101,8 +101,15 @@ class LoopbackTopology:
         spare = f"127.{octets[1]}.{int(octets[2]) + 4}"
         self.spare_ip = f"{spare}.1"
         self._spare = spare
-        if len(MODES) * self.reps + 11 > 254:
-            raise ValueError(f"at most {(254 - 11) // len(MODES)} repetitions")
+        if len(LOOPBACK_MODES) * self.reps + 11 > 254:
+            raise ValueError(f"at most {(254 - 11) // len(LOOPBACK_MODES)} repetitions")
+        # Upstream's comparison (bench.node_pairs): node pairs in network namespaces, beside the loopback modes.
+        self.pairs: Any = None
+        if any(m in PAIR_MODES for m in self.modes):
+            from bench.node_pairs import NodePairs
+
+            self.pairs = NodePairs(workdir, self.modes, self.ztunnel_env, self.reps)
+        self.clients = ("default", *(self.pairs.clients if self.pairs is not None else ()))
 
     # -- the server ----------------------------------------------------------------------------------------------
 
@@ -119,9 +126,11 @@ class LoopbackTopology:
 
     def client_ip(self, mode: str, rep: int | None = None) -> str:
         r = self.rep if rep is None else rep
-        return f"{self._spare}.{11 + r * len(MODES) + MODES.index(mode)}"
+        return f"{self._spare}.{11 + r * len(LOOPBACK_MODES) + LOOPBACK_MODES.index(mode)}"
 
     def client_prefix(self, name: str) -> list[str]:
+        if name != "default" and self.pairs is not None:
+            return list(self.pairs.client_prefix(name))
         return []
 
     def controlplane_target(self) -> tuple[Path, str]:
@@ -135,6 +144,8 @@ class LoopbackTopology:
         log = open(self.workdir / "server.log", "wb")  # noqa: SIM115 - the child holds it; closed with the process
         self.server = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL)
         log.close()
+        if self.pairs is not None:
+            self.pairs.start_server()
         assert self.server.stdout is not None
         line = self.server.stdout.readline()
         if line.strip() != b"ready":
@@ -162,6 +173,9 @@ class LoopbackTopology:
             jobs += [z.start for z in self.ztunnels.values()]
         if "envoy" in self.modes:
             jobs.append(lambda: self._start_envoys(logdir))
+        if self.pairs is not None:
+            pairs = self.pairs
+            jobs.append(lambda: pairs.start_proxies(logdir, rep, env))
         with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
             for fut in [pool.submit(job) for job in jobs]:
                 fut.result()
@@ -222,6 +236,8 @@ class LoopbackTopology:
             if found is not None:
                 issues.append(found)
         self.ztunnels, self.envoys = {}, {}
+        if self.pairs is not None:
+            issues += self.pairs.stop_proxies()
         return issues
 
     def proxy_pids(self) -> dict[str, int]:
@@ -232,6 +248,8 @@ class LoopbackTopology:
         for name, e in self.envoys.items():
             if e.proc is not None:
                 pids[name] = e.proc.pid
+        if self.pairs is not None:
+            pids.update(self.pairs.proxy_pids())
         return pids
 
     def pids(self) -> dict[str, int]:
@@ -239,6 +257,8 @@ class LoopbackTopology:
         out = self.proxy_pids()
         if self.server is not None:
             out["server"] = self.server.pid
+        if self.pairs is not None:
+            out.update(self.pairs.server_pids())
         return out
 
     def envoy_stats(self) -> dict[str, int]:
@@ -255,6 +275,10 @@ class LoopbackTopology:
     # -- routes --------------------------------------------------------------------------------------------------
 
     def route(self, mode: str) -> dict[str, Any]:
+        if mode in PAIR_MODES:
+            if self.pairs is None:
+                raise ValueError(f"mode {mode!r} was not selected when the topology was built")
+            return dict(self.pairs.route(mode))
         m = self.mesh
         socks = [m.node_a, 15080]
         bind = self.client_ip(mode)
@@ -278,9 +302,10 @@ class LoopbackTopology:
             "node_b": m.node_b,
             "plain": m.plain,
             "server": f"{m.node_b} and {m.plain}, port {APP_PORT} + repetition index",
-            "client_source_ips": {mode: self.client_ip(mode, 0) + " (+4 per repetition)" for mode in MODES},
+            "client_source_ips": {mode: self.client_ip(mode, 0) + " (+4 per repetition)" for mode in LOOPBACK_MODES},
             "envoy_circuit_breakers": "lifted to 1,000,000 (defaults cap a cluster at 1,024 concurrent requests)",
             "ztunnel_env": {"RUST_LOG": "warn", **self.ztunnel_env},
+            "node_pairs": self.pairs.describe() if self.pairs is not None else None,
         }
 
     def close(self) -> list[LogIssue]:
@@ -293,4 +318,7 @@ class LoopbackTopology:
                 self.server.kill()
                 self.server.wait()
             self.server = None
+        if self.pairs is not None:
+            issues += self.pairs.close()
+            self.pairs = None
         return issues

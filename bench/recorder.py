@@ -73,6 +73,7 @@ class Recorder:
             "ratios": ratio_rows,
             "variant_ratios": variant_rows,
             "targets": report.targets(ratio_rows, summary, variant_rows, self.processes),
+            "targets_upstream": report.upstream_targets(ratio_rows, self.processes),
             "skipped": self.skipped,
             "log_issues": self.log_issues,
             "failures": self.failures,
@@ -116,6 +117,15 @@ def standard_notes(modes: Sequence[str], scenarios: Sequence[str], p: Profile, t
             "payload byte) are pipelined in one write, so SOCKS5 adds 13 bytes in, 12 out and their parsing per "
             "connection, but no round trip; its CPU is inside ztunnel A's measured CPU (the socks5 micro-benchmark "
             "puts it at about 3 µs)."
+        )
+    if any(m in modes for m in ("hbone-ns", "upstream", "loop", "upstream-loop")):
+        notes.append(
+            "Upstream comparison (bench/node_pairs.py): each implementation in its own pair of network-namespaced "
+            "nodes, the client inside node A entering through SOCKS5 on 127.0.0.1:15080; hbone-ns = this ztunnel "
+            "on both nodes, upstream = upstream's binary on both (proxy CPU: A + B); loop and upstream-loop = one "
+            "process tunnelling to its own 15008 (upstream's local-development recipe; proxy CPU: that process). "
+            "Both run PROXY_MODE=dedicated with FAKE_CA, ENABLE_ORIG_SRC=false and no policy. The vs-upstream "
+            "ratios pair each with its upstream twin within a repetition."
         )
     if "throughput" in scenarios:
         notes.append(

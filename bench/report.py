@@ -20,8 +20,20 @@ from bench.processes import label as variant_label
 from bench.processes import short_label
 from bench.topology import PATH_PROXIES
 
-MODE_ORDER = ("direct", "tcp", "hbone", "envoy", "ztunnel")
-MODE_COLORS = {"direct": "#9e9e9e", "tcp": "#64b5f6", "hbone": "#1565c0", "envoy": "#e65100", "ztunnel": "#1565c0"}
+MODE_ORDER = ("direct", "tcp", "hbone", "envoy", "hbone-ns", "upstream", "loop", "upstream-loop", "ztunnel")
+MODE_COLORS = {
+    "direct": "#9e9e9e",
+    "tcp": "#64b5f6",
+    "hbone": "#1565c0",
+    "envoy": "#e65100",
+    "ztunnel": "#1565c0",
+    "hbone-ns": "#0d47a1",
+    "upstream": "#2e7d32",
+    "loop": "#5c6bc0",
+    "upstream-loop": "#81c784",
+}
+# Upstream's modes are divided into their partner only (the same namespaced shape with this ztunnel).
+UPSTREAM_REFERENCES = {"upstream": "hbone-ns", "upstream-loop": "loop"}
 
 
 @dataclass(frozen=True)
@@ -122,10 +134,10 @@ def summarize(samples: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def ratios(
-    samples: Sequence[Mapping[str, Any]], references: Sequence[str] = ("envoy", "direct")
+    samples: Sequence[Mapping[str, Any]], references: Sequence[str] = ("envoy", "direct", "upstream", "upstream-loop")
 ) -> list[dict[str, Any]]:
     """Per-repetition ratios of each mode to each reference mode (within one process model), then their median and
-    range."""
+    range. Upstream's modes are the reference of their partner mode only (:data:`UPSTREAM_REFERENCES`)."""
     by_key: dict[tuple[str, str, str, int, str | None], dict[str, float]] = defaultdict(dict)
     for s in samples:
         if s["metrics"].get("failed"):
@@ -141,7 +153,7 @@ def ratios(
             if not base:
                 continue
             for mode, v in values.items():
-                if mode != ref:
+                if mode != ref and UPSTREAM_REFERENCES.get(ref, mode) == mode:
                     pairs[(sc, case, key, mode, ref, w)].append(v / base)
     return [
         {"scenario": sc, "case": case, "metric": key, "mode": mode, "vs": ref, "workers": w, **_spread(vals)}
@@ -355,6 +367,84 @@ def worker_targets(
     return out
 
 
+# (target, scenario, case, metric, operator, limit): this ztunnel over upstream in the same namespaced shape.
+UPSTREAM_TARGETS = (
+    (
+        "CPU per new connection (SOCKS5 + HBONE stream + 1-byte echo + close)",
+        "connrate",
+        "8 concurrent",
+        "proxy_cpu_us_per_conn",
+        "<=",
+        1.5,
+    ),
+    ("connections/s, 8 concurrent", "connrate", "8 concurrent", "rate", ">=", 0.7),
+    ("1-stream throughput per proxy CPU-second", "throughput", "1 stream", "gbit_per_cpu_s", ">=", 0.8),
+    ("latency p50, 64 B", "latency", "64 B", "p50", "<=", 1.1),
+    ("latency p99, 64 B", "latency", "64 B", "p99", "<=", 1.3),
+)
+UPSTREAM_SHAPES = (("hbone-ns", "upstream", "two nodes"), ("loop", "upstream-loop", "self-loop"))
+WORKER_PSS = ("processes", "idle", "worker_pss_vs_upstream")
+
+
+def worker_pss_ratios(processes: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per start (repetition and process model): the idle PSS of this ztunnel's largest data-plane process (a
+    worker; the whole process when it runs inline) on the namespaced pair, over the mean PSS of upstream's whole
+    processes started beside it; median and range over the repetitions."""
+    values: dict[str | None, list[float]] = defaultdict(list)
+    for rec in processes:
+        proxies = rec["proxies"]
+        ours = [proxies[p] for p in ("ztunnel-ns-a", "ztunnel-ns-b") if p in proxies]
+        theirs = [proxies[p]["pss_bytes"] for p in ("upstream-a", "upstream-b") if p in proxies]
+        if not ours or not theirs or not all(theirs):
+            continue
+        workers = [
+            v for found in ours for name, v in found["pss_by_process"].items() if name.startswith("w") and v
+        ] or [found["pss_bytes"] for found in ours]
+        values[rec.get("workers")].append(max(workers) / statistics.fmean(theirs))
+    return [
+        {"scenario": WORKER_PSS[0], "case": WORKER_PSS[1], "metric": WORKER_PSS[2], "workers": w, **_spread(v)}
+        for w, v in values.items()
+    ]
+
+
+def upstream_targets(
+    ratio_rows: Sequence[Mapping[str, Any]], processes: Sequence[Mapping[str, Any]] = ()
+) -> list[dict[str, Any]]:
+    """Issue 17's targets against upstream ztunnel (medians of per-repetition ratios), per shape (two nodes,
+    self-loop) and process model: CPU per new connection <= 1.5x, connections/s >= 0.7x, 1-stream throughput per
+    CPU-second >= 0.8x, p50 <= 1.1x, p99 <= 1.3x, memory per idle tunnel <= 1x; and the idle PSS of one data-plane
+    worker <= 2x upstream's whole process."""
+    out: list[dict[str, Any]] = []
+    pss = worker_pss_ratios(processes)
+    for w in variants_of([*ratio_rows, *pss]):
+        suffix = f", {variant_label(w)}" if w is not None else ""
+        for ours, ref, shape in UPSTREAM_SHAPES:
+            rows = [r for r in ratio_rows if r["mode"] == ours and r["vs"] == ref and r.get("workers") == w]
+            if not rows:
+                continue
+            for name, scenario, case, metric, op, limit in UPSTREAM_TARGETS:
+                r = _find(rows, scenario=scenario, case=case, metric=metric)
+                if r is not None:
+                    out.append(_target(f"{name} ({shape}{suffix})", r, op, limit, f"{op} {limit:g}x upstream"))
+            out.extend(
+                _target(f"memory per idle tunnel, {r['case']} ({shape}{suffix})", r, "<=", 1.0, "<= 1x upstream")
+                for r in rows
+                if r["scenario"] == "memory" and r["metric"] == "per_conn_kib"
+            )
+        row = _find(pss, workers=w)
+        if row is not None:
+            out.append(
+                _target(
+                    f"idle PSS of one data-plane worker ÷ upstream's whole process{suffix}",
+                    row,
+                    "<=",
+                    2.0,
+                    "<= 2x upstream",
+                )
+            )
+    return out
+
+
 # -- Markdown ------------------------------------------------------------------------------------------------------
 
 
@@ -386,7 +476,14 @@ def _cases(samples: Sequence[Mapping[str, Any]], scenario: str) -> list[str]:
     return list(seen)
 
 
-RATIO_COLUMNS = (("hbone", "envoy"), ("tcp", "direct"), ("hbone", "direct"), ("envoy", "direct"))
+RATIO_COLUMNS = (
+    ("hbone", "envoy"),
+    ("tcp", "direct"),
+    ("hbone", "direct"),
+    ("envoy", "direct"),
+    ("hbone-ns", "upstream"),
+    ("loop", "upstream-loop"),
+)
 
 
 def scenario_table(
@@ -518,6 +615,15 @@ _VARIANT_RATIO_LABELS = {
 }
 
 
+def _target_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    out = ["| target | this run | range | goal | met |", "|---|---|---|---|---|"]
+    for t in rows:
+        value, spread = ("n/a", "") if t["value"] is None else (t["value"], "{}-{}".format(*t["spread"]))
+        met = "n/a" if t["met"] is None else "yes" if t["met"] else "**no**"
+        out.append(f"| {t['target']} | {value} | {spread} | {t['limit']} | {met} |")
+    return [*out, ""]
+
+
 def _rep_label(condition: Mapping[str, Any]) -> str:
     """A repetition as the report names it: ``2``, or ``2 (2 workers)`` in a run comparing process models."""
     w = condition.get("workers")
@@ -562,13 +668,16 @@ def markdown(doc: Mapping[str, Any], charts: Mapping[str, str]) -> str:
             "",
         ]
     if doc.get("targets"):
-        out += ["## Targets (medians of per-repetition values and ratios)", ""]
-        out += ["| target | this run | range | goal | met |", "|---|---|---|---|---|"]
-        for t in doc["targets"]:
-            value, spread = ("n/a", "") if t["value"] is None else (t["value"], "{}-{}".format(*t["spread"]))
-            met = "n/a" if t["met"] is None else "yes" if t["met"] else "**no**"
-            out.append(f"| {t['target']} | {value} | {spread} | {t['limit']} | {met} |")
-        out.append("")
+        out += ["## Targets (medians of per-repetition values and ratios)", "", *_target_table(doc["targets"])]
+    if doc.get("targets_upstream"):
+        out += [
+            "## Targets vs upstream ztunnel (medians of per-repetition ratios)",
+            "",
+            "This ztunnel over upstream's binary, each in the same network-namespaced shape (two nodes: `hbone-ns` "
+            "÷ `upstream`; upstream's self-loop recipe: `loop` ÷ `upstream-loop`).",
+            "",
+            *_target_table(doc["targets_upstream"]),
+        ]
     out += process_model_section(doc)
     for scenario in SCENARIOS:
         tables = []

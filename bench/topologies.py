@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from bench.loopback_topology import LoopbackTopology
-from bench.topology import Topology
+from bench.topology import PAIR_MODES, Topology
 from ztunnel.testing.envoy import find_envoy
 
 TOPOLOGIES = ("loopback", "netns")
@@ -26,6 +26,12 @@ def mode_skip_reason(topology: str, mode: str) -> str | None:
     """Why ``mode`` cannot run in ``topology`` here, or None."""
     if topology == "netns" and mode == "envoy":
         return "the Envoy pair is not part of the namespaced topology (compare with it on loopback)"
+    if mode in PAIR_MODES:
+        if topology != "loopback":
+            return "upstream's comparison runs beside the loopback topology (--topology loopback)"
+        from bench.node_pairs import pair_skip_reason
+
+        return pair_skip_reason(mode)
     if mode == "envoy":
         return envoy_skip_reason()
     return None

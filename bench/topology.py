@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-MODES = ("direct", "tcp", "hbone", "envoy")
+# The loopback modes, then upstream's comparison in namespaced node pairs (bench.node_pairs).
+LOOPBACK_MODES = ("direct", "tcp", "hbone", "envoy")
+PAIR_MODES = ("hbone-ns", "upstream", "loop", "upstream-loop")
+MODES = (*LOOPBACK_MODES, *PAIR_MODES)
 APP_PORT = 8080
 
 # Which proxy processes carry each mode's traffic (their CPU and memory are the mode's cost).
@@ -24,6 +27,11 @@ PATH_PROXIES: dict[str, tuple[str, ...]] = {
     "tcp": ("ztunnel-a",),
     "hbone": ("ztunnel-a", "ztunnel-b"),
     "envoy": ("envoy-originator", "envoy-terminator"),
+    # bench.node_pairs.PAIR_PROXIES (kept here so this module imports no topology)
+    "hbone-ns": ("ztunnel-ns-a", "ztunnel-ns-b"),
+    "upstream": ("upstream-a", "upstream-b"),
+    "loop": ("ztunnel-ns-a",),
+    "upstream-loop": ("upstream-a",),
 }
 
 ZTUNNEL_PROBLEM = re.compile(r"\t(warn|error)\t|Traceback|\"level\": \"(warn|error)\"")

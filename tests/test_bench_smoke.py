@@ -18,11 +18,12 @@ import pytest
 from bench.report import METRICS
 from bench.scenarios import SCENARIOS
 from bench.topologies import envoy_skip_reason
-from bench.topology import MODES
+from bench.topology import LOOPBACK_MODES
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-MODES_HERE = [m for m in MODES if m != "envoy" or envoy_skip_reason() is None]
+# Upstream's comparison (bench.node_pairs) has its own test: tests/test_bench_upstream.py.
+MODES_HERE = [m for m in LOOPBACK_MODES if m != "envoy" or envoy_skip_reason() is None]
 
 
 @dataclass

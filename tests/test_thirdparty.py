@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import h2.config
@@ -271,3 +272,72 @@ def test_plain_literals_are_sent_unencoded() -> None:
     assert b"abcdefghijkl" in block
     decoded: list[object] = [tuple(h) for h in hpack.Decoder().decode(block)]
     assert decoded == headers
+
+
+# -- per stream: END_STREAM without frame objects (H2_END_STREAM) ---------------------------------------------------
+
+
+def _open_pair() -> tuple[h2.connection.H2Connection, h2.connection.H2Connection, int]:
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+    client.initiate_connection()
+    server.initiate_connection()
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    server.receive_data(client.data_to_send())
+    client.send_headers(1, [(":method", "CONNECT"), (":authority", "10.0.0.1:80")])
+    server.receive_data(client.data_to_send())
+    server.send_headers(1, [(":status", "200")])
+    client.receive_data(server.data_to_send())
+    return client, server, 1
+
+
+def _state(conn: h2.connection.H2Connection, sid: int) -> tuple[object, object]:
+    return conn.state_machine.state, conn.streams[sid].state_machine.state
+
+
+def test_end_stream_sent_directly_is_h2s_end_stream() -> None:
+    """Same bytes and the same states as ``H2Connection.end_stream`` (h2 is the oracle), and the same refusal of a
+    stream that is already half-closed."""
+    oracle, _, sid = _open_pair()
+    direct, _, _ = _open_pair()
+    oracle.end_stream(sid)
+    thirdparty.h2_end_stream_sent(direct, sid, bytes([0, 0, 0, 0, 1, 0, 0, 0, sid]))
+    assert direct.data_to_send() == oracle.data_to_send()
+    assert _state(direct, sid) == _state(oracle, sid)
+    # A second END_STREAM on the half-closed stream: the same error from both.
+    again = _outcome(lambda: oracle.end_stream(sid))
+    assert again is not None and again == _outcome(lambda: thirdparty.h2_end_stream_sent(direct, sid, b""))
+
+
+def _outcome(call: Callable[[], object]) -> type[BaseException] | None:
+    try:
+        call()
+    except Exception as e:
+        return type(e)
+    return None
+
+
+def test_end_stream_received_directly_is_h2s_receive_data() -> None:
+    """Same events and states as the empty END_STREAM DATA frame through ``receive_data``; a second one on the
+    half-closed stream is the same error, with the same frames queued for the peer."""
+    frame = bytes([0, 0, 0, 0, 1, 0, 0, 0, 1])
+    _, oracle, sid = _open_pair()
+    _, direct, _ = _open_pair()
+    want = oracle.receive_data(frame)
+    got = thirdparty.h2_end_stream_received(direct, sid)
+    assert [type(e) for e in got] == [type(e) for e in want] == [h2.events.DataReceived, h2.events.StreamEnded]
+    assert [e.stream_id for e in got] == [e.stream_id for e in want]  # type: ignore[attr-defined]
+    assert _state(direct, sid) == _state(oracle, sid)
+    # A second one on the half-closed stream: h2 answers it the same way (a reset of the stream or a connection
+    # error), whichever path it took.
+    first = _outcome(lambda: oracle.receive_data(frame))
+    assert first == _outcome(lambda: thirdparty.h2_end_stream_received(direct, sid))
+    assert direct.data_to_send() == oracle.data_to_send()  # the RST_STREAM or GOAWAY h2 queued
+    assert _state(direct, sid) == _state(oracle, sid) if sid in oracle.streams else sid not in direct.streams
+
+
+def test_the_hbone_core_uses_the_direct_end_stream() -> None:
+    from ztunnel.proxy.hbone.core import HboneConnection
+
+    assert HboneConnection(True)._end_stream_direct is thirdparty.enabled(thirdparty.H2_END_STREAM) is True

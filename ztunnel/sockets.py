@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import ipaddress
 import logging
 import os
@@ -100,15 +101,23 @@ def original_dst(sock: socket.socket) -> tuple[IPAddress, int] | None:
     return canonical_ip(ip), port
 
 
+@functools.lru_cache(maxsize=4096)
+def _parsed_ip(host: str) -> IPAddress:
+    # The same few peer and local addresses come back on every connection, and parsing one with ipaddress (and
+    # canonicalising ::ffff:a.b.c.d) was ~4 % of a ztunnel's CPU per new connection (py-spy, connection-rate loop).
+    # Addresses are immutable values, so a bounded cache of them is safe to share.
+    return canonical_ip(ipaddress.ip_address(host))
+
+
 def local_dst(sock: socket.socket) -> tuple[IPAddress, int]:
     """The socket's own address: the original destination under TPROXY (no NAT happened)."""
     host, port = sock.getsockname()[:2]
-    return canonical_ip(ipaddress.ip_address(host)), port
+    return _parsed_ip(host), port
 
 
 def peer_addr(sock: socket.socket) -> tuple[IPAddress, int]:
     host, port = sock.getpeername()[:2]
-    return canonical_ip(ipaddress.ip_address(host)), port
+    return _parsed_ip(host), port
 
 
 def set_accepted_options(sock: socket.socket, cfg: SocketConfig, keepalive: bool) -> None:

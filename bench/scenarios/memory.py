@@ -13,7 +13,7 @@ from bench.topology import PATH_PROXIES, Topology, wait_settled
 
 # File descriptors per process the memory scenario needs, per held connection and fixed: ztunnel A in tcp mode holds
 # two sockets per connection (client and upstream); every other process one.
-_FDS_PER_CONN = {"tcp": 2}
+_FDS_PER_CONN = {"tcp": 2, "loop": 2, "upstream-loop": 2}  # a self-loop holds both ends of its tunnel
 _FD_MARGIN = 512
 
 
@@ -33,7 +33,7 @@ class Memory(DataScenario):
         all its processes (a ztunnel's control process and workers)."""
         ctx = self.ctx
         tree = process_tree(topo.proxy_pids())
-        for mode in ("hbone", "envoy"):
+        for mode in ("hbone", "envoy", "hbone-ns", "upstream"):
             if mode not in ctx.modes:
                 continue
             procs = PATH_PROXIES[mode]

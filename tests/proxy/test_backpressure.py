@@ -77,7 +77,7 @@ def held(conns: list[HboneTransport]) -> int:
         if conn.transport is not None:
             total += conn.transport.get_write_buffer_size()
         for h in conn.streams.values():
-            total += plain_held(h.plain) + sum(map(len, h._early))
+            total += plain_held(h.plain) + sum(map(len, h._early or ()))
     return total
 
 

@@ -49,7 +49,7 @@ class Abortable(Protocol):
     def abort(self, reason: CloseReason | str) -> None: ...
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # one per connection, held as long as it: no per-instance dict
 class ConnectionRecord:
     """One proxied connection, as the access log, metrics and admin see it."""
 

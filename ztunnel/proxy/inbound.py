@@ -50,7 +50,7 @@ from ztunnel.proxy.common import (
 from ztunnel.proxy.connect import INTERRUPTED, connect_interruptible
 from ztunnel.proxy.connection_manager import AuthorizeFn, ConnectionRecord, Direction, log_failed
 from ztunnel.proxy.hbone.connection import HboneTransport, http2_settings
-from ztunnel.proxy.hbone.core import ConnectRequested, ErrorCode, HboneConnection
+from ztunnel.proxy.hbone.core import ConnectRequested, HboneConnection
 from ztunnel.proxy.hbone.reason import CloseKind, CloseReason
 from ztunnel.proxy.hbone.stream import HboneStream
 from ztunnel.proxy.inputs import InboundBalance, ProxyInputs
@@ -464,9 +464,9 @@ class Inbound(Listener):
             # Established: what the peer's baggage says labels it too (upstream's derived source).
             bag = baggage.parse(ev.headers.get(BAGGAGE_HEADER, ""))
             record.derived_source = DerivedWorkload.from_baggage(bag, identity)
-        record.bytes_sent = lambda: stream.bytes_from_plain
-        record.bytes_recv = lambda: stream.bytes_to_plain
-        record.closer = lambda reason: stream.reset(ErrorCode.CANCEL)
+        record.bytes_sent = stream.count_from_plain
+        record.bytes_recv = stream.count_to_plain
+        record.closer = stream.cancel
         pi.connections.established(record)
         headers: list[tuple[str, str]] = []
         if pi.config.enable_response_baggage:

@@ -442,9 +442,9 @@ class Outbound(Listener):
         if plain.closed:
             stream.reset()
             raise ProxyError("client closed the connection before the tunnel was established")
-        record.bytes_sent = lambda: stream.bytes_to_plain
-        record.bytes_recv = lambda: stream.bytes_from_plain
-        record.closer = lambda reason: stream.reset()
+        record.bytes_sent = stream.count_to_plain
+        record.bytes_recv = stream.count_from_plain
+        record.closer = stream.abort
         pi.connections.register(record)
         if ready is not None:
             ready(None)

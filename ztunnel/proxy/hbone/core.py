@@ -38,6 +38,7 @@ import struct
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NoReturn
 
 import h2.config
 import h2.connection
@@ -313,6 +314,7 @@ class HboneConnection:
         self.h2 = h2.connection.H2Connection(config=config)
         # At most _CLOSED_STREAMS_REMEMBERED closed streams, header values as plain literals (the numbers: there).
         thirdparty.adjust_h2(self.h2, closed_streams=_CLOSED_STREAMS_REMEMBERED)
+        self._end_stream_direct = thirdparty.enabled(thirdparty.H2_END_STREAM)
         self.streams: dict[int, _Stream] = {}
         # Allocated at the first receive: a connection still in its TLS handshake (or stalled there) costs none.
         self._buf = bytearray()
@@ -581,17 +583,28 @@ class HboneConnection:
         self._data_state = None
         if st is not None and self._data_end_stream:
             st.remote_closed = True
-            # Tell h2 the stream ended with an empty END_STREAM frame so its state machine moves on.
-            events.extend(self._to_h2(_HEADER.pack(DATA, FLAG_END_STREAM, stream_id)))
+            # Tell h2 the stream ended with an empty END_STREAM frame so its state machine moves on: handed to its
+            # frame handler directly when we may (no serialize and re-parse; thirdparty.H2_END_STREAM).
+            if self._end_stream_direct:
+                try:
+                    h2_events = thirdparty.h2_end_stream_received(self.h2, stream_id)
+                except h2.exceptions.ProtocolError as e:
+                    self._h2_failed(e)
+                events.extend(self._translate(h2_events))
+            else:
+                events.extend(self._to_h2(_HEADER.pack(DATA, FLAG_END_STREAM, stream_id)))
 
     def _to_h2(self, frames: bytes | memoryview) -> list[Event]:
         try:
             h2_events = self.h2.receive_data(frames)
         except h2.exceptions.ProtocolError as e:
-            self.closed = True
-            code = getattr(e, "error_code", ErrorCode.PROTOCOL_ERROR)
-            raise HboneProtocolError(f"HTTP/2 protocol error ({type(e).__name__}): {e}", ErrorCode(int(code))) from None
+            self._h2_failed(e)
         return self._translate(h2_events)
+
+    def _h2_failed(self, e: h2.exceptions.ProtocolError) -> NoReturn:
+        self.closed = True
+        code = getattr(e, "error_code", ErrorCode.PROTOCOL_ERROR)
+        raise HboneProtocolError(f"HTTP/2 protocol error ({type(e).__name__}): {e}", ErrorCode(int(code))) from None
 
     def _translate(self, h2_events: Iterable[h2.events.Event]) -> list[Event]:
         out: list[Event] = []
@@ -780,7 +793,11 @@ class HboneConnection:
         if st is None or st.local_closed:
             return
         with contextlib.suppress(h2.exceptions.ProtocolError):
-            self.h2.end_stream(stream_id)
+            if self._end_stream_direct:
+                # h2's end_stream without its DataFrame built and serialized (thirdparty.H2_END_STREAM).
+                thirdparty.h2_end_stream_sent(self.h2, stream_id, _HEADER.pack(DATA, FLAG_END_STREAM, stream_id))
+            else:
+                self.h2.end_stream(stream_id)
         self._local_closed(stream_id)
 
     def reset_stream(self, stream_id: int, code: ErrorCode = ErrorCode.CANCEL) -> None:

@@ -58,6 +58,27 @@ class HboneStream:
     stream (cancelled if the peer resets it, or the connection is lost, first).
     """
 
+    # One per tunnel, held as long as the tunnel: slots instead of a per-instance dict.
+    __slots__ = (
+        "_core",
+        "_early",
+        "_held",
+        "_on_done",
+        "bytes_from_plain",
+        "bytes_to_plain",
+        "conn",
+        "done",
+        "error",
+        "local_ended",
+        "lost",
+        "plain",
+        "remote_ended",
+        "reset_code",
+        "response",
+        "setup",
+        "stream_id",
+    )
+
     def __init__(
         self,
         conn: StreamConnection,
@@ -79,7 +100,7 @@ class HboneStream:
         self.bytes_to_plain = 0
         self.bytes_from_plain = 0
         self._held = 0  # received while the plaintext socket could not take more: window not yet released
-        self._early: list[bytes] = []  # data that arrived before a plaintext socket was attached
+        self._early: list[bytes] | None = None  # data that arrived before a plaintext socket was attached (rare)
         # Server role: the task authorizing and connecting this stream. A peer that resets the stream first (or
         # loses the connection) cancels it, so a rapid-reset loop costs no backend connections.
         self.setup: asyncio.Task[None] | None = None
@@ -91,15 +112,35 @@ class HboneStream:
         closed, or reset, or the connection lost)."""
         self._on_done = on_done
         self.plain = plain
-        for chunk in self._early:
-            self._to_plain(memoryview(chunk), len(chunk))
-        self._early.clear()
+        if self._early is not None:
+            for chunk in self._early:
+                self._to_plain(memoryview(chunk), len(chunk))
+            self._early = None
         if self.remote_ended:
             plain.write_eof()
         if self.conn.write_paused:
             plain.pause_reading()
         plain.attach(self)
         self._maybe_done()
+
+    # -- for the connection record: bound methods, not per-tunnel closures (~150 B less each, 6 per tunnel) -----
+
+    def count_from_plain(self) -> int:
+        """Bytes read from the plaintext socket and sent on the stream so far."""
+        return self.bytes_from_plain
+
+    def count_to_plain(self) -> int:
+        """Bytes received on the stream and written to the plaintext socket so far."""
+        return self.bytes_to_plain
+
+    def cancel(self, reason: str) -> None:
+        """A ``closer``: reset with CANCEL (a policy change or a drain ended the tunnel; ``reason`` is logged by
+        the connection manager)."""
+        self.reset(ErrorCode.CANCEL)
+
+    def abort(self, reason: str) -> None:
+        """A ``closer``: reset with CONNECT_ERROR."""
+        self.reset()
 
     # -- operations: the core call and the flush together -------------------------------------------------------
 
@@ -138,7 +179,10 @@ class HboneStream:
 
     def on_data(self, data: memoryview, flow_controlled_length: int) -> None:
         if self.plain is None:
-            self._early.append(bytes(data))  # rare: bytes before the 200 was handled; bounded by the window
+            # Rare: bytes before the 200 was handled; bounded by the window.
+            if self._early is None:
+                self._early = []
+            self._early.append(bytes(data))
             self._held += flow_controlled_length
             return
         self._to_plain(data, flow_controlled_length)
