@@ -69,6 +69,7 @@ class PlainConnection(asyncio.BufferedProtocol):
         "end",
         "eof_received_",
         "eof_written",
+        "on_lost",
         "peer",
         "reading_paused",
         "size",
