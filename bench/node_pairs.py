@@ -19,8 +19,8 @@ Both implementations run with ``FAKE_CA=true XDS_ADDRESS="" LOCAL_XDS_PATH=<work
 PROXY_WORKLOAD_INFO=default/<client|server>/<sa> UNSTABLE_ENABLE_SOCKS5=true RUST_LOG=warn ENABLE_ORIG_SRC=false``
 (upstream's inbound would otherwise spoof the client's address towards the app, whose answer then goes to the
 other node). Upstream signs with its built-in test CA, this ztunnel with a local CA (``ZTUNNEL_CA_DIR``); each
-pair trusts only itself. The workloads carry no policy: upstream's local config spells string matches as YAML tags
-(``!Exact``), which this ztunnel's local config does not read, and the comparison must run the same work on both.
+pair trusts only itself. The workloads carry no policy, as in upstream's local-dev recipe, so that both do the
+same work per connection.
 
 ``ZTUNNEL_WORKER_THREADS`` is upstream's variable too (its Tokio worker threads), so ``--workers 1`` runs
 upstream with one worker thread against this ztunnel's one worker process.

@@ -150,7 +150,7 @@ MALFORMED = [
     ),
     (
         "policies: [{name: p, scope: Global, action: Allow, rules: [[[{principals: [{Regex: x}]}]]]}]",
-        "policies[0].rules[0][0][0].principals[0]: expected one of {Exact: str}",
+        "policies[0].rules[0][0][0].principals[0]: expected one of !Exact str",
     ),
     (
         "policies: [{name: p, scope: Global, action: Allow, rules: [[[{destinationPort: [80]}]]]}]",
@@ -198,3 +198,15 @@ def test_file_errors_name_the_file(tmp_path: Path) -> None:
 def test_empty_document_is_empty_state() -> None:
     cfg = parse_local_config("", "empty.yaml")
     assert cfg.update.workloads == [] and cfg.update.replace_all
+
+
+def test_string_matches_in_upstreams_yaml_tags() -> None:
+    """serde_yaml (upstream) spells an enum variant as a tag: ``!Exact x``; it reads as the map form does."""
+    rule = "policies: [{{name: p, namespace: n, scope: Namespace, action: Allow, rules: [[[{{{m}}}]]]}}]"
+    tagged = "principals: [!Exact td/ns/a/sa/b, !Prefix td/ns/c], notPrincipals: [!Suffix /sa/d, Presence]"
+    mapped = "principals: [{Exact: td/ns/a/sa/b}, {Prefix: td/ns/c}], notPrincipals: [{Suffix: /sa/d}, Presence]"
+    a = parse_local_config(rule.format(m=tagged), "tagged.yaml").update
+    b = parse_local_config(rule.format(m=mapped), "mapped.yaml").update
+    assert a == b
+    with pytest.raises(LocalConfigError, match=r"bad.yaml.*line 1.*unknown tag !Regex"):
+        parse_local_config(rule.format(m="principals: [!Regex x]"), "bad.yaml")

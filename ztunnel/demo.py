@@ -259,7 +259,7 @@ async def _main(work: Path, control_plane: bool, relocate: bool) -> int:
             f"  {len(cp.sessions)} delta ADS streams ({', '.join(nodes_seen)}), {acked} responses ACKed, "
             f"{len(cp.nacks)} NACKed; {len(cp.ca_requests)} CreateCertificate calls"
         )
-        cp_root = format(cp.ca.root_cert.serial_number, "x")
+        cp_root = str(cp.ca.root_cert.serial_number)  # decimal, as the config dump writes serials
         for name, (leaf, root) in serials.items():
             signer = "the control plane's CA" if root == cp_root else f"root {root}, NOT the control plane's {cp_root}"
             print(f"  {name} certificate for {TOKENS[name][1]} (admin config_dump): serial {leaf}, issued by {signer}")

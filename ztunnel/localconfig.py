@@ -139,6 +139,23 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def _tagged_string_match(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> Any:
+    """Upstream's YAML form of a string match: serde_yaml writes and reads an enum variant as a tag (``!Exact x``,
+    ``!Prefix x``, ``!Suffix x``, ``!Presence``); read as the map form ``{Exact: x}`` that :func:`_string_match`
+    takes (also accepted, as the form of the JSON config dump)."""
+    if suffix not in ("Exact", "Prefix", "Suffix", "Presence"):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"unknown tag !{suffix} (expected !Exact, !Prefix, !Suffix or !Presence)", node.start_mark
+        )
+    if not isinstance(node, yaml.ScalarNode):
+        raise yaml.constructor.ConstructorError(None, None, f"!{suffix} takes a string", node.start_mark)
+    value = loader.construct_scalar(node)
+    return {suffix: value if suffix != "Presence" else None}
+
+
+_Loader.add_multi_constructor("!", _tagged_string_match)
+
+
 def _expanded_size(root: yaml.Node, limit: int) -> int:
     """Nodes in the document with every alias expanded, counting stops just past ``limit`` (also ends cycles)."""
     count, stack = 0, [root]
@@ -524,7 +541,8 @@ _MATCH_FIELDS = {
 
 
 def _string_match(r: _Reader, node: Any, path: str) -> StringMatch:
-    # Upstream's serde form: {Exact: "x"}, {Prefix: "x"}, {Suffix: "x"}, and Presence (bare, or {Presence: ...}).
+    # Upstream's YAML form is a tag (``!Exact x``, read by the loader as ``{Exact: x}``); the map form {Exact: "x"},
+    # {Prefix: "x"}, {Suffix: "x"} and Presence (bare, or {Presence: ...}) is accepted too (the JSON dump's form).
     if node == "Presence":
         return StringMatch(StringMatchKind.PRESENCE)
     if isinstance(node, dict) and len(node) == 1:
@@ -533,7 +551,7 @@ def _string_match(r: _Reader, node: Any, path: str) -> StringMatch:
             return StringMatch(StringMatchKind.PRESENCE)
         if kind in ("Exact", "Prefix", "Suffix"):
             return StringMatch(StringMatchKind(kind), r.text(value, _join(path, kind)))
-    expected = "{Exact: str}, {Prefix: str}, {Suffix: str} or Presence"
+    expected = "!Exact str, !Prefix str, !Suffix str, !Presence (or {Exact: str}, ...)"
     raise r.fail(path, f"expected one of {expected}, got {_show(node)}")
 
 

@@ -108,6 +108,13 @@ services:
     80: {app_port}
   subjectAltNames: ["{server_id}"]
 policies:
+# Upstream's YAML spells a string match as a tag; both implementations must read it (only the client may connect).
+- name: allow-client
+  namespace: default
+  scope: Namespace
+  action: Allow
+  rules:
+  - - - principals: [!Exact {trust_domain}/ns/default/sa/client]
 - name: deny-{denied}
   namespace: default
   scope: Namespace
@@ -194,6 +201,7 @@ class InteropMesh:
                 app_port=APP_PORT,
                 denied=DENIED_PORT,
                 server_id=SERVER_ID,
+                trust_domain=TRUST_DOMAIN,
             )
         )
         # Apps in the server's namespace: the echo service's port, and the port the policy denies (an app listens
