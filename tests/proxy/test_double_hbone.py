@@ -164,11 +164,19 @@ async def test_outer_stream_reset_when_the_gateway_never_ends_it(
     assert gw.streams[0].done and gw.streams[0].error is not None  # the gateway saw the reset
 
 
-async def test_bulk_both_ways_never_waits_for_a_ping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The inner connection's bytes are written to the outer stream outside the outer connection's dispatch: fed from
-    # inside it, they waited for that connection's next flush of its own, which on a quiet connection is the PING
-    # (every 10 s). With the PING put off for an hour, such a stall is a hang (the deadline below is for that only).
+@pytest.mark.parametrize("fed_inside_dispatch", [False, True], ids=["deferred", "fed-inside-dispatch"])
+async def test_bulk_both_ways_never_waits_for_a_ping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fed_inside_dispatch: bool
+) -> None:
+    # The pipe writes the inner connection's bytes to the outer stream outside the outer connection's dispatch; fed
+    # from inside it ("fed-inside-dispatch": the pipe's deferral switched off), the outer connection's end-of-dispatch
+    # flush must send them itself. Before it did, they waited for its next control frame, which on a quiet
+    # connection is the PING (every 10 s). With the PING put off for an hour, such a stall is a hang (the deadline
+    # below is for that only).
     monkeypatch.setattr(hbone_connection, "PING_INTERVAL", 3600.0)
+    if fed_inside_dispatch:
+        no_deferral = property(lambda _: False, lambda _, v: None)
+        monkeypatch.setattr(double_hbone.StreamPipe, "_in_outer", no_deferral, raising=False)
     m = TwoNodeMesh(tmp_path)
     gateway_ip = m.plain.rsplit(".", 1)[0] + ".2"
     two_networks(m, gateway_ip)

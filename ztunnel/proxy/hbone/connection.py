@@ -370,6 +370,9 @@ class HboneTransport(asyncio.BufferedProtocol):
         pending = self.core.data_to_send()
         if pending:
             self.ssl_object.write(pending)
+        # Also what write_frame left in the TLS buffer during a dispatch: a DATA frame a stream wrote from inside
+        # one must go now, not with the next control frame (on a quiet connection, the PING 10 s later).
+        if pending or self._out_bio.pending:
             self._flush_tls()
 
     def write_frame(self, frame: memoryview) -> None:
