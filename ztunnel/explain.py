@@ -36,7 +36,7 @@ from ztunnel.errors import ZtunnelError
 from ztunnel.identity.spiffe import DEFAULT_TRUST_DOMAIN, SPIFFE_PREFIX
 
 # The local config's own field readers (private there): a dump is read by the same code, not a second parser.
-from ztunnel.localconfig import LocalConfigError, _policy, _Reader, _service, _workload
+from ztunnel.localconfig import LocalConfigError, Reader, read_policy, read_service, read_workload
 from ztunnel.net import format_addr
 from ztunnel.proxy.common import HttpStatusError, ProxyError, ResponseFlag
 from ztunnel.proxy.inbound import InboundRejected, hostname_target, upstream_port
@@ -59,7 +59,7 @@ class ExplainError(ZtunnelError):
 # -- loading a config dump -----------------------------------------------------------------------------------------
 
 
-class _DumpReader(_Reader):
+class _DumpReader(Reader):
     """The local config's reader (same field names, same checks, errors naming the path), lenient about fields it
     does not know: a dump carries more than a local config (and a newer upstream may add fields)."""
 
@@ -98,9 +98,9 @@ def _load(doc: Any, source: str) -> Dump:
     for i, raw in enumerate(r.seq(top.get("workloads"), "workloads")):
         # A workload's ``services`` is a list of keys in a dump (none in upstream's); endpoints come from services.
         w = {k: v for k, v in raw.items() if k != "services"} if isinstance(raw, dict) else raw
-        workloads.append(_workload(r, w, f"workloads[{i}]", DEFAULT_TRUST_DOMAIN))
-    services = [_service(r, s, f"services[{i}]") for i, s in enumerate(r.seq(top.get("services"), "services"))]
-    policies = [_policy(r, p, f"policies[{i}]") for i, p in enumerate(r.seq(top.get("policies"), "policies"))]
+        workloads.append(read_workload(r, w, f"workloads[{i}]", DEFAULT_TRUST_DOMAIN))
+    services = [read_service(r, s, f"services[{i}]") for i, s in enumerate(r.seq(top.get("services"), "services"))]
+    policies = [read_policy(r, p, f"policies[{i}]") for i, p in enumerate(r.seq(top.get("policies"), "policies"))]
     state = ProxyState()
     state.apply(StateUpdate(workloads=workloads, services=services, policies=policies))
     config = top.get("config")

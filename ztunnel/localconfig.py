@@ -217,8 +217,9 @@ def _show(value: Any) -> str:
         return f"<{type(value).__name__} too large to show>"
 
 
-class _Reader:
-    """Walks the YAML document; every accessor knows the path of the value it reads."""
+class Reader:
+    """Walks the YAML (or JSON) document; every accessor knows the path of the value it reads. Public with
+    read_workload, read_service and read_policy so that ztunnel explain reads a config dump with the same rules."""
 
     def __init__(self, source: str) -> None:
         self.source = source
@@ -351,7 +352,7 @@ _WORKLOAD_FIELDS = {
 }
 
 
-def _gateway(r: _Reader, node: Any, path: str) -> GatewayAddress | None:
+def _gateway(r: Reader, node: Any, path: str) -> GatewayAddress | None:
     if node is None:
         return None
     o = r.obj(node, path, {"destination", "hboneMtlsPort"}, frozenset({"destination"}))
@@ -369,7 +370,7 @@ def _gateway(r: _Reader, node: Any, path: str) -> GatewayAddress | None:
     return GatewayAddress(destination, port)
 
 
-def _workload(r: _Reader, node: Any, path: str, trust_domain: str) -> Workload:
+def read_workload(r: Reader, node: Any, path: str, trust_domain: str) -> Workload:
     o = r.obj(node, path, _WORKLOAD_FIELDS, frozenset({"namespace", "workloadIps"}))
     p = partial(_join, path)
     ips = tuple(
@@ -454,7 +455,7 @@ _SERVICE_FIELDS = {
 }
 
 
-def _service(r: _Reader, node: Any, path: str) -> Service:
+def read_service(r: Reader, node: Any, path: str) -> Service:
     o = r.obj(node, path, _SERVICE_FIELDS, frozenset({"name", "namespace", "hostname"}))
     p = partial(_join, path)
     vips = tuple(
@@ -540,7 +541,7 @@ _MATCH_FIELDS = {
 }
 
 
-def _string_match(r: _Reader, node: Any, path: str) -> StringMatch:
+def _string_match(r: Reader, node: Any, path: str) -> StringMatch:
     # Upstream's YAML form is a tag (``!Exact x``, read by the loader as ``{Exact: x}``); the map form {Exact: "x"},
     # {Prefix: "x"}, {Suffix: "x"} and Presence (bare, or {Presence: ...}) is accepted too (the JSON dump's form).
     if node == "Presence":
@@ -555,7 +556,7 @@ def _string_match(r: _Reader, node: Any, path: str) -> StringMatch:
     raise r.fail(path, f"expected one of {expected}, got {_show(node)}")
 
 
-def _match(r: _Reader, node: Any, path: str) -> Match:
+def _match(r: Reader, node: Any, path: str) -> Match:
     o = r.obj(node, path, _MATCH_FIELDS)
 
     def items(key: str) -> list[tuple[str, Any]]:
@@ -596,7 +597,7 @@ def _match(r: _Reader, node: Any, path: str) -> Match:
     )
 
 
-def _policy(r: _Reader, node: Any, path: str) -> Authorization:
+def read_policy(r: Reader, node: Any, path: str) -> Authorization:
     o = r.obj(
         node,
         path,
@@ -626,7 +627,7 @@ def _policy(r: _Reader, node: Any, path: str) -> Authorization:
 
 def parse_local_config(text: str, source: str = "LOCAL_XDS", trust_domain: str = DEFAULT_TRUST_DOMAIN) -> LocalConfig:
     """Parse and validate a local config document; raise :class:`LocalConfigError` on the first problem."""
-    r = _Reader(source)
+    r = Reader(source)
     try:
         doc = _load_yaml(text)
     except yaml.YAMLError as e:
@@ -638,10 +639,11 @@ def parse_local_config(text: str, source: str = "LOCAL_XDS", trust_domain: str =
         doc = {}
     top = r.obj(doc, "", {"workloads", "services", "policies"})
     workloads = [
-        _workload(r, w, f"workloads[{i}]", trust_domain) for i, w in enumerate(r.seq(top.get("workloads"), "workloads"))
+        read_workload(r, w, f"workloads[{i}]", trust_domain)
+        for i, w in enumerate(r.seq(top.get("workloads"), "workloads"))
     ]
-    services = [_service(r, s, f"services[{i}]") for i, s in enumerate(r.seq(top.get("services"), "services"))]
-    policies = [_policy(r, p, f"policies[{i}]") for i, p in enumerate(r.seq(top.get("policies"), "policies"))]
+    services = [read_service(r, s, f"services[{i}]") for i, s in enumerate(r.seq(top.get("services"), "services"))]
+    policies = [read_policy(r, p, f"policies[{i}]") for i, p in enumerate(r.seq(top.get("policies"), "policies"))]
     _no_duplicates(r, "workloads", [w.uid for w in workloads], "uid")
     _no_duplicates(r, "services", [str(s.key) for s in services], "namespace/hostname")
     _no_duplicates(r, "policies", [p.key for p in policies], "namespace/name")
@@ -649,7 +651,7 @@ def parse_local_config(text: str, source: str = "LOCAL_XDS", trust_domain: str =
     return LocalConfig(update=update)
 
 
-def _no_duplicates(r: _Reader, section: str, keys: list[str], what: str) -> None:
+def _no_duplicates(r: Reader, section: str, keys: list[str], what: str) -> None:
     seen: dict[str, int] = {}
     for i, key in enumerate(keys):
         if key in seen:
