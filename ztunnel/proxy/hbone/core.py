@@ -46,6 +46,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import h2.stream
 
 from ztunnel import thirdparty
 from ztunnel.errors import ZtunnelError
@@ -67,6 +68,7 @@ FLAG_END_STREAM = 0x1
 FLAG_ACK = 0x1
 FLAG_END_HEADERS = 0x4
 FLAG_PADDED = 0x8
+FLAG_PRIORITY = 0x20
 # How many recently reset stream ids are remembered, so DATA the peer had in flight when we reset them is not
 # mistaken for abuse (one stream window, 4 MiB, can be hundreds of frames).
 _RECENT_RESETS = 256
@@ -315,6 +317,8 @@ class HboneConnection:
         # At most _CLOSED_STREAMS_REMEMBERED closed streams, header values as plain literals (the numbers: there).
         thirdparty.adjust_h2(self.h2, closed_streams=_CLOSED_STREAMS_REMEMBERED)
         self._end_stream_direct = thirdparty.enabled(thirdparty.H2_END_STREAM)
+        # CONNECT requests and their responses sent and received without h2's frame objects (thirdparty.H2_HEADERS).
+        self._headers_direct = thirdparty.enabled(thirdparty.H2_HEADERS)
         self.streams: dict[int, _Stream] = {}
         # Allocated at the first receive: a connection still in its TLS handshake (or stalled there) costs none.
         self._buf = bytearray()
@@ -444,12 +448,14 @@ class HboneConnection:
                 self._fail(f"frame of {length} bytes exceeds SETTINGS_MAX_FRAME_SIZE", ErrorCode.FRAME_SIZE_ERROR)
             if ftype == DATA and stream_id in self.streams:
                 if h2_from >= 0:
+                    # The frames before may end the stream (a RST_STREAM in the same read): h2 sees them first.
                     events.extend(self._to_h2(view[h2_from:pos]))
                     h2_from = -1
-                if length == 0 and not flags & FLAG_END_STREAM:
-                    self._spend("empty DATA frames")
-                pos = self._start_data(events, pos, length, flags, stream_id)
-                continue
+                if stream_id in self.streams:
+                    if length == 0 and not flags & FLAG_END_STREAM:
+                        self._spend("empty DATA frames")
+                    pos = self._start_data(events, pos, length, flags, stream_id)
+                    continue
             if ftype in (HEADERS, CONTINUATION) and max(self._header_block, 0) + length > self._header_block_limit:
                 # Checked on the frame header, before buffering a frame that may be up to 1 MiB.
                 self._fail(
@@ -461,6 +467,22 @@ class HboneConnection:
             if end - pos < FRAME_HEADER_SIZE + length:
                 self._need = FRAME_HEADER_SIZE + length
                 break
+            if (
+                ftype == HEADERS
+                and flags & (FLAG_END_HEADERS | FLAG_PADDED | FLAG_PRIORITY) == FLAG_END_HEADERS
+                and self._header_block < 0
+                and self._headers_direct
+                and self._opens_exchange(stream_id)
+            ):
+                # A whole request or response in one frame: decoded here and handed to h2's state machines
+                # directly, not parsed into a frame object (thirdparty.H2_HEADERS). In wire order with the rest.
+                if h2_from >= 0:
+                    events.extend(self._to_h2(view[h2_from:pos]))
+                    h2_from = -1
+                start = pos + FRAME_HEADER_SIZE
+                events.extend(self._headers_frame(stream_id, bytes(view[start : start + length]), flags))
+                pos = start + length
+                continue
             if ftype != DATA:
                 self._account(ftype, flags, length, stream_id)
             elif stream_id not in self._reset_by_us:
@@ -593,6 +615,24 @@ class HboneConnection:
                 events.extend(self._translate(h2_events))
             else:
                 events.extend(self._to_h2(_HEADER.pack(DATA, FLAG_END_STREAM, stream_id)))
+
+    def _opens_exchange(self, stream_id: int) -> bool:
+        """Whether a HEADERS frame on ``stream_id`` is one h2 would take as a new request (server) or the first
+        response to our request (client), never as a frame on a closed stream (which h2 answers its own way)."""
+        if self.client_side:
+            stream = self.h2.streams.get(stream_id)
+            if stream is None:
+                return False
+            machine = stream.state_machine
+            return not machine.headers_received and machine.state in _AWAITING_RESPONSE
+        return stream_id & 1 == 1 and stream_id > self.h2.highest_inbound_stream_id and stream_id not in self.h2.streams
+
+    def _headers_frame(self, stream_id: int, block: bytes, flags: int) -> list[Event]:
+        try:
+            h2_events = thirdparty.h2_headers_received(self.h2, stream_id, block, bool(flags & FLAG_END_STREAM))
+        except h2.exceptions.ProtocolError as e:
+            self._h2_failed(e)
+        return self._translate(h2_events)
 
     def _to_h2(self, frames: bytes | memoryview) -> list[Event]:
         try:
@@ -741,7 +781,11 @@ class HboneConnection:
         if method != "CONNECT":
             block += [(":scheme", "https"), (":path", "/")]
         block += list(headers)
-        self.h2.send_headers(stream_id, block)
+        if self._headers_direct:
+            # h2's send_headers without its frame objects and header pipeline (thirdparty.H2_HEADERS).
+            thirdparty.h2_headers_sent(self.h2, stream_id, block, False, method.encode(), authority.encode())
+        else:
+            self.h2.send_headers(stream_id, block)
         self.streams[stream_id] = _Stream(recv_window=self.settings.stream_window)
         return stream_id
 
@@ -749,8 +793,14 @@ class HboneConnection:
         self, stream_id: int, status: int, headers: Iterable[tuple[str, str]] = (), end_stream: bool = False
     ) -> None:
         """Server: answer a CONNECT. A non-200 status ends the stream (upstream sends errors with END_STREAM)."""
+        block = [(":status", str(status)), *headers]
         try:
-            self.h2.send_headers(stream_id, [(":status", str(status)), *headers], end_stream=end_stream)
+            if self._headers_direct and status >= 200:
+                # h2's send_headers without its frame objects and header pipeline (thirdparty.H2_HEADERS); an
+                # informational response goes through h2, which tells it apart.
+                thirdparty.h2_headers_sent(self.h2, stream_id, block, end_stream, None, None)
+            else:
+                self.h2.send_headers(stream_id, block, end_stream=end_stream)
         except h2.exceptions.ProtocolError:
             # The client reset the stream (or the connection closed) while we were deciding: nothing to answer.
             self.streams.pop(stream_id, None)
@@ -848,6 +898,8 @@ def _remember(recent: dict[int, None], stream_id: int) -> None:
         del recent[next(iter(recent))]
 
 
+# h2 stream states in which our request is out and its response may come.
+_AWAITING_RESPONSE = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
 _REQUEST_PSEUDO = frozenset({b":method", b":scheme", b":authority", b":path", b":protocol"})
 # RFC 9113 §8.2.2: connection-specific fields make a request malformed.
 _CONNECTION_SPECIFIC = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"})
