@@ -26,6 +26,7 @@ import importlib.metadata
 import logging
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,13 +257,15 @@ def h2_headers_sent(
     end_stream: bool,
     method: bytes | None,
     authority: bytes | None,
+    encode: Callable[[Any, list[tuple[str, str]]], bytes],
 ) -> None:
     """What ``H2Connection.send_headers(stream_id, headers, end_stream)`` does for a request or a final response
     (never an informational one: callers send those through h2), without ``HeadersFrame`` objects and h2's header
     pipeline (UTF-8 re-encoding, validation flags; the HBONE core turns h2's outbound validation off anyway): the
     same stream limit check, the connection's and the stream's state machines take the same inputs in the same order
-    (so the same errors, before the compression context changes), the header list is encoded with one call of the
-    connection's HPACK encoder, and the HEADERS (+ CONTINUATION) frames are written to h2's outbound bytes.
+    (so the same errors, before the compression context changes), then ``encode(conn.encoder, headers)`` makes the
+    header block (the caller's HPACK encoding, which must keep ``conn.encoder``'s context right), and the HEADERS
+    (+ CONTINUATION) frames are written to h2's outbound bytes.
     ``method``/``authority`` (a request's ``:method``/``:authority``, None for a response) are kept on the stream
     as h2 keeps them. Callers check :func:`enabled` (``H2_HEADERS``)."""
     import h2.exceptions
@@ -285,7 +288,7 @@ def h2_headers_sent(
     if machine.client and stream._authority is None:
         stream._authority = authority
     stream.request_method = method
-    block = conn.encoder.encode(headers)
+    block = encode(conn.encoder, headers)
     size = conn.max_outbound_frame_size
     out = conn._data_to_send
     first = block[:size]
@@ -303,7 +306,7 @@ def h2_headers_sent(
         out += piece
 
 
-def h2_headers_received(conn: Any, stream_id: int, block: bytes | memoryview, end_stream: bool) -> list[Any]:
+def h2_headers_received(conn: Any, stream_id: int, block: bytes, end_stream: bool) -> list[Any]:
     """What ``H2Connection.receive_data`` does with one HEADERS frame (END_HEADERS set, neither PADDED nor PRIORITY)
     carrying a request that opens a new stream (server) or the response to a request of ours (client), without the
     frame being parsed into an object: the stream limit check, HPACK decoding with h2's error mapping, the
@@ -339,10 +342,10 @@ def h2_headers_received(conn: Any, stream_id: int, block: bytes | memoryview, en
         ):
             # What h2's generic pipeline does something for (validation, str headers, 1xx, a Content-Length to
             # track, cookies to join): h2's own code, on the block decoded once.
-            _, stream_events = stream.receive_headers(headers, end_stream, config.header_encoding)
-            return events + stream_events
+            _, generic_events = stream.receive_headers(headers, end_stream, config.header_encoding)
+            return events + list(generic_events)
         machine = stream.state_machine
-        stream_events = machine.process_input(StreamInputs.RECV_HEADERS)
+        stream_events: list[Any] = machine.process_input(StreamInputs.RECV_HEADERS)
         if end_stream:
             ended = machine.process_input(StreamInputs.RECV_END_STREAM)
             stream_events[0].stream_ended = ended[0]

@@ -47,6 +47,8 @@ import h2.events
 import h2.exceptions
 import h2.settings
 import h2.stream
+import hpack
+import hpack.table
 
 from ztunnel import thirdparty
 from ztunnel.errors import ZtunnelError
@@ -783,7 +785,9 @@ class HboneConnection:
         block += list(headers)
         if self._headers_direct:
             # h2's send_headers without its frame objects and header pipeline (thirdparty.H2_HEADERS).
-            thirdparty.h2_headers_sent(self.h2, stream_id, block, False, method.encode(), authority.encode())
+            thirdparty.h2_headers_sent(
+                self.h2, stream_id, block, False, method.encode(), authority.encode(), encode_header_block
+            )
         else:
             self.h2.send_headers(stream_id, block)
         self.streams[stream_id] = _Stream(recv_window=self.settings.stream_window)
@@ -798,7 +802,7 @@ class HboneConnection:
             if self._headers_direct and status >= 200:
                 # h2's send_headers without its frame objects and header pipeline (thirdparty.H2_HEADERS); an
                 # informational response goes through h2, which tells it apart.
-                thirdparty.h2_headers_sent(self.h2, stream_id, block, end_stream, None, None)
+                thirdparty.h2_headers_sent(self.h2, stream_id, block, end_stream, None, None, encode_header_block)
             else:
                 self.h2.send_headers(stream_id, block, end_stream=end_stream)
         except h2.exceptions.ProtocolError:
@@ -953,3 +957,74 @@ def _decode_headers(raw: Iterable[tuple[bytes | str, bytes | str]]) -> dict[str,
         value = v.decode("utf-8", "replace") if isinstance(v, bytes) else v
         out[key] = value
     return out
+
+
+# -- header blocks -------------------------------------------------------------------------------------------------
+# HBONE header blocks are a handful of fields sent once per stream, most of them with values that differ on every
+# stream (:authority, baggage, forwarded, traceparent). hpack's Encoder looks each one up in its tables and inserts
+# it into the dynamic table (evicting older ones), and the peer's decoder inserts it again: ~30% of h2's work per
+# stream on both sides. A block of literals *without indexing* (RFC 7541 §6.2.2) leaves both dynamic tables alone,
+# costs only byte concatenation here and a table-free decode there, and is valid for every HPACK decoder (Rust h2,
+# Envoy). Fields in the static table whole (":status: 200") are sent as their one-byte index. Plain octets, no
+# Huffman, as thirdparty.HPACK_PLAIN_LITERALS already does for hpack's own encoding.
+
+
+def _hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
+    """RFC 7541 §5.1: ``value`` with an N-bit prefix, ``first`` holding the representation's high bits."""
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes((first | value,))
+    out = bytearray((first | limit,))
+    value -= limit
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _static_tables() -> tuple[dict[tuple[bytes, bytes], bytes], dict[bytes, bytes]]:
+    whole: dict[tuple[bytes, bytes], bytes] = {}
+    names: dict[bytes, bytes] = {}
+    for index, (name, value) in enumerate(hpack.table.HeaderTable.STATIC_TABLE, start=1):
+        if value:
+            whole.setdefault((name, value), _hpack_int(index, 7, 0x80))  # indexed field (§6.1)
+        names.setdefault(name, _hpack_int(index, 4))  # literal without indexing, indexed name (§6.2.2)
+    return whole, names
+
+
+_STATIC_WHOLE, _STATIC_NAME = _static_tables()
+# Lengths below 127 (all but very long values) are one byte: H bit clear, 7-bit prefix.
+_SHORT_LENGTH = [bytes((n,)) for n in range(127)]
+
+
+def literal_header_block(headers: Iterable[tuple[str, str]]) -> bytes:
+    """An HPACK header block of ``headers`` (UTF-8) that uses no dynamic table: static-table indexes for whole
+    static fields, otherwise literals without indexing with the name from the static table where it is there."""
+    out = bytearray()
+    for name, value in headers:
+        n = name.encode()
+        v = value.encode()
+        whole = _STATIC_WHOLE.get((n, v))
+        if whole is not None:
+            out += whole
+            continue
+        prefix = _STATIC_NAME.get(n)
+        if prefix is None:
+            out += b"\x00"
+            out += _SHORT_LENGTH[len(n)] if len(n) < 127 else _hpack_int(len(n), 7)
+            out += n
+        else:
+            out += prefix
+        out += _SHORT_LENGTH[len(v)] if len(v) < 127 else _hpack_int(len(v), 7)
+        out += v
+    return bytes(out)
+
+
+def encode_header_block(encoder: hpack.Encoder, headers: list[tuple[str, str]]) -> bytes:
+    """The header block for ``headers`` on a connection whose HPACK encoder is ``encoder``: literal (see
+    :func:`literal_header_block`) unless the peer changed the dynamic table size and the encoder owes it a size
+    update (RFC 7541 §4.2, at the start of the next block), which hpack's own encoding then carries."""
+    if encoder.header_table.resized:
+        return bytes(encoder.encode(headers))
+    return literal_header_block(headers)
