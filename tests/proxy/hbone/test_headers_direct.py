@@ -238,7 +238,9 @@ def test_direct_path_builds_no_headers_frames_and_leaves_hpack_tables_empty(monk
 
 def test_literal_block_decodes_to_the_headers() -> None:
     headers = [(":status", "200"), (":method", "CONNECT"), ("baggage", "x" * 300), ("z" * 130, ""), ("é", "ü")]
-    decoded = [tuple(h) for h in hpack.Decoder().decode(literal_header_block(headers))]
+    decoded: list[tuple[str, str]] = [
+        (str(n), str(v)) for n, v in hpack.Decoder().decode(literal_header_block(headers))
+    ]
     assert decoded == headers
     # Whole static fields are their one-byte index (":status: 200" is static entry 8).
     assert literal_header_block([(":status", "200")]) == b"\x88"
