@@ -321,7 +321,7 @@ def h2_headers_received(conn: Any, stream_id: int, block: bytes, end_stream: boo
     import h2.exceptions
     from h2.connection import AllowedStreamIDs, ConnectionInputs
     from h2.stream import StreamInputs
-    from h2.utilities import is_informational_response
+    from h2.utilities import is_informational_response, validate_headers
 
     try:
         if stream_id not in conn.streams:
@@ -335,13 +335,12 @@ def h2_headers_received(conn: Any, stream_id: int, block: bytes, end_stream: boo
         stream = conn._get_or_create_stream(stream_id, AllowedStreamIDs(not client))
         config = conn.config
         if (
-            (client and config.validate_inbound_headers)
-            or config.header_encoding
+            config.header_encoding
             or is_informational_response(headers)
             or any(name in _H2_RECEIVED_SPECIAL for name, _ in headers)
         ):
-            # What h2's generic pipeline does something for (validation, str headers, 1xx, a Content-Length to
-            # track, cookies to join): h2's own code, on the block decoded once.
+            # What h2's generic pipeline does more for (str headers, 1xx, a Content-Length to track, cookies to
+            # join): h2's own code, on the block decoded once.
             _, generic_events = stream.receive_headers(headers, end_stream, config.header_encoding)
             return events + list(generic_events)
         machine = stream.state_machine
@@ -350,11 +349,23 @@ def h2_headers_received(conn: Any, stream_id: int, block: bytes, end_stream: boo
             ended = machine.process_input(StreamInputs.RECV_END_STREAM)
             stream_events[0].stream_ended = ended[0]
             stream_events += ended
+        if config.validate_inbound_headers:
+            # h2's own checks of a received block (after the state transitions, as h2 orders them), with the flags
+            # h2 would build for a request (server) or a response (client).
+            headers = list(validate_headers(headers, _validation_flags(client)))
         stream_events[0].headers = headers
         return events + stream_events
     except h2.exceptions.ProtocolError as e:
         conn._terminate_connection(e.error_code)
         raise
+
+
+@functools.cache
+def _validation_flags(client: bool) -> Any:
+    """The flags h2 builds to validate a received request (server) or response (client)."""
+    from h2.utilities import HeaderValidationFlags
+
+    return HeaderValidationFlags(is_client=client, is_trailer=False, is_response_header=client, is_push_promise=False)
 
 
 _decisions: dict[str, bool] = {}  # by patch name (a str hashes once; the HBONE core asks per connection)
