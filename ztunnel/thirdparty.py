@@ -306,10 +306,17 @@ def h2_headers_sent(
         out += piece
 
 
-def h2_headers_received(conn: Any, stream_id: int, block: bytes, end_stream: bool) -> list[Any]:
+def h2_headers_received(
+    conn: Any,
+    stream_id: int,
+    block: bytes,
+    end_stream: bool,
+    decode: Callable[[Any, bytes], list[tuple[bytes, bytes]] | None],
+) -> list[Any]:
     """What ``H2Connection.receive_data`` does with one HEADERS frame (END_HEADERS set, neither PADDED nor PRIORITY)
     carrying a request that opens a new stream (server) or the response to a request of ours (client), without the
-    frame being parsed into an object: the stream limit check, HPACK decoding with h2's error mapping, the
+    frame being parsed into an object: the stream limit check, HPACK decoding (``decode(conn.decoder, block)``, or
+    where that returns None hpack's, with h2's error mapping), the
     connection's and the stream's state machines, the content-length bookkeeping; an informational response, and
     every response on a connection that validates inbound headers, goes through h2's own ``receive_headers``. A
     protocol error queues the GOAWAY as ``receive_data`` does before it propagates. Returns h2's events.
@@ -329,7 +336,10 @@ def h2_headers_received(conn: Any, stream_id: int, block: bytes, end_stream: boo
             open_now = conn.open_inbound_streams  # h2's count; it also forgets closed streams
             if open_now + 1 > limit:
                 raise h2.exceptions.TooManyStreamsError(f"Max inbound streams is {limit}, {open_now} open")
-        headers = h2.connection._decode_headers(conn.decoder, block)
+        # The caller's decoding first (it must leave conn.decoder as hpack would), else hpack's with h2's errors.
+        headers: Any = decode(conn.decoder, block)
+        if headers is None:
+            headers = h2.connection._decode_headers(conn.decoder, block)
         events: list[Any] = conn.state_machine.process_input(ConnectionInputs.RECV_HEADERS)
         client = conn.config.client_side
         stream = conn._get_or_create_stream(stream_id, AllowedStreamIDs(not client))

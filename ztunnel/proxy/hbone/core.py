@@ -631,7 +631,9 @@ class HboneConnection:
 
     def _headers_frame(self, stream_id: int, block: bytes, flags: int) -> list[Event]:
         try:
-            h2_events = thirdparty.h2_headers_received(self.h2, stream_id, block, bool(flags & FLAG_END_STREAM))
+            h2_events = thirdparty.h2_headers_received(
+                self.h2, stream_id, block, bool(flags & FLAG_END_STREAM), decode_plain_block
+            )
         except h2.exceptions.ProtocolError as e:
             self._h2_failed(e)
         return self._translate(h2_events)
@@ -1028,3 +1030,74 @@ def encode_header_block(encoder: hpack.Encoder, headers: list[tuple[str, str]]) 
     if encoder.header_table.resized:
         return bytes(encoder.encode(headers))
     return literal_header_block(headers)
+
+
+_STATIC_ENTRIES: tuple[tuple[bytes, bytes], ...] = hpack.table.HeaderTable.STATIC_TABLE
+
+
+def _hpack_int_at(block: bytes, pos: int, mask: int) -> tuple[int, int]:
+    """RFC 7541 §5.1: the integer with a ``mask``-sized prefix at ``block[pos]``, and the position after it. Raises
+    IndexError when the block ends inside it, ValueError when it is longer than any header list we accept."""
+    value = block[pos] & mask
+    pos += 1
+    if value < mask:
+        return value, pos
+    shift = 0
+    while True:
+        byte = block[pos]
+        pos += 1
+        value += (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+        if shift > 28:
+            raise ValueError("HPACK integer too long")
+
+
+def decode_plain_block(decoder: hpack.Decoder, block: bytes) -> list[tuple[bytes, bytes]] | None:
+    """The header list of a block that leaves the dynamic table alone and has no Huffman-coded string (static-table
+    indexes and literals without indexing: what :func:`literal_header_block` makes), or None for any other block, or
+    one hpack would reject (too large, truncated, a bad index): ``decoder`` (hpack's) then decodes it, with its
+    errors. Decoding such a block with hpack changes nothing in ``decoder``, so declining costs nothing but time."""
+    if decoder.header_table_size > decoder.max_allowed_table_size:
+        return None  # hpack would refuse the block until the peer shrinks its table
+    limit = decoder.max_header_list_size
+    out: list[tuple[bytes, bytes]] = []
+    size = 0
+    pos, end = 0, len(block)
+    try:
+        while pos < end:
+            first = block[pos]
+            if first & 0x80:  # indexed field (§6.1): static entries only
+                index, pos = _hpack_int_at(block, pos, 0x7F)
+                if not 0 < index <= len(_STATIC_ENTRIES):
+                    return None
+                name, value = _STATIC_ENTRIES[index - 1]
+            elif first & 0xF0:  # indexing, never-indexed or a table size update: hpack's
+                return None
+            else:  # literal without indexing (§6.2.2)
+                index, pos = _hpack_int_at(block, pos, 0x0F)
+                if index:
+                    if index > len(_STATIC_ENTRIES):
+                        return None
+                    name = _STATIC_ENTRIES[index - 1][0]
+                else:
+                    if block[pos] & 0x80:  # Huffman-coded
+                        return None
+                    length, pos = _hpack_int_at(block, pos, 0x7F)
+                    name = block[pos : pos + length]
+                    pos += length
+                if block[pos] & 0x80:
+                    return None
+                length, pos = _hpack_int_at(block, pos, 0x7F)
+                value = block[pos : pos + length]
+                pos += length
+                if pos > end:
+                    return None
+            size += len(name) + len(value) + 32  # RFC 7541 §4.1, as hpack counts the list against its limit
+            if size > limit:
+                return None
+            out.append((name, value))
+    except (IndexError, ValueError):
+        return None
+    return out
