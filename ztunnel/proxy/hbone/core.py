@@ -3,12 +3,19 @@
 Theory of operation
 -------------------
 h2 is the state machine for everything but DATA and GOAWAY: the connection preface and SETTINGS, HEADERS (the CONNECT
-request and its response), RST_STREAM, WINDOW_UPDATE and PING all go through ``H2Connection`` unchanged, so stream
-states, HPACK and the protocol checks are h2's. GOAWAY is sent and received here, because h2 stops sending anything
+request and its response), RST_STREAM, WINDOW_UPDATE and PING all reach ``H2Connection``'s state machines, so stream
+states and the protocol checks are h2's. GOAWAY is sent and received here, because h2 stops sending anything
 once either happened, and a graceful GOAWAY must let the open streams finish. DATA frames, which carry every
 tunnelled byte, are parsed and built here instead, because h2's path for them costs several copies and an eager
 ``repr`` of each frame (hex-encoding the payload: about 20% of a receiver's CPU, measured on these machines). This
 is the split the benchmark needs.
+
+The HEADERS of a CONNECT and of its response (a whole block in one frame) skip h2's frame objects and generic header
+pipeline: built and parsed here, then handed to h2's state machines through ``thirdparty.h2_headers_sent`` /
+``h2_headers_received`` (version-guarded, h2 the oracle in tests/proxy/hbone/test_headers_direct.py). Our blocks are
+HPACK literals without indexing (:func:`literal_header_block`), and such blocks are decoded without hpack
+(:func:`decode_plain_block`); any other block (a peer that indexes or Huffman-codes) goes to hpack's decoder. The
+sans-IO stream lifecycle went from ~150 to ~100 µs (bench/README.md, "Optimisations").
 
 Receiving: the I/O layer decrypts straight into :meth:`HboneConnection.get_buffer` and calls
 :meth:`HboneConnection.buffer_updated`. DATA payloads are delivered *streaming*, as soon as bytes of a frame arrive
