@@ -236,15 +236,25 @@ def h2_end_stream_sent(conn: Any, stream_id: int, frame: bytes) -> None:
 
 def h2_end_stream_received(conn: Any, stream_id: int) -> list[Any]:
     """What ``H2Connection.receive_data`` does with an empty DATA frame carrying END_STREAM, without serializing
-    it and parsing it back through h2's frame buffer: the frame object goes to h2's own per-frame handler (state
-    machines, flow control, a closed stream answered as h2 answers it), and a protocol error queues the GOAWAY as
+    it and parsing it back through h2's frame buffer: on a stream that takes DATA, the calls h2's DATA handler makes
+    (state machines, flow control, content length); on any other, a frame object to h2's own per-frame handler (a
+    closed stream answered as h2 answers it); and a protocol error queues the GOAWAY as
     ``receive_data`` does before it propagates. Returns h2's events."""
     import h2.exceptions
+    from h2.connection import ConnectionInputs
+    from h2.stream import StreamState
     from hyperframe.frame import DataFrame
 
-    frame = DataFrame(stream_id, flags=("END_STREAM",))
     try:
-        return list(conn._receive_frame(frame))
+        stream = conn.streams.get(stream_id)
+        if stream is not None and stream.state_machine.state in (StreamState.OPEN, StreamState.HALF_CLOSED_LOCAL):
+            # What _receive_data_frame does for a stream that takes DATA (no StreamClosedError to turn into a
+            # RST_STREAM): the connection's input, an empty payload charged to both windows, the stream's inputs.
+            events: list[Any] = conn.state_machine.process_input(ConnectionInputs.RECV_DATA)
+            conn._inbound_flow_control_window_manager.window_consumed(0)
+            _, stream_events = stream.receive_data(b"", True, 0)
+            return events + list(stream_events)
+        return list(conn._receive_frame(DataFrame(stream_id, flags=("END_STREAM",))))
     except h2.exceptions.ProtocolError as e:
         conn._terminate_connection(e.error_code)
         raise
