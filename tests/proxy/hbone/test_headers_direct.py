@@ -260,12 +260,11 @@ def test_literal_block_decodes_to_the_headers() -> None:
     assert literal_header_block([(":status", "200")]) == b"\x88"
 
 
-def test_data_in_the_same_read_as_its_connect_is_delivered() -> None:
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "through h2"])
+def test_data_in_the_same_read_as_its_connect_is_delivered(direct: bool) -> None:
     """A client may send DATA right behind its CONNECT; both in one read must reach the server's consumer (h2 used to
     see the HEADERS only after the DATA frame had been judged to be on an unknown stream, and the bytes were lost)."""
-    client, server = HboneConnection(True), HboneConnection(False)
-    client.initiate()
-    server.initiate()
+    client, server = _cores(direct, direct)
     server.receive_data(client.data_to_send())
     client.receive_data(server.data_to_send())
     server.receive_data(client.data_to_send())

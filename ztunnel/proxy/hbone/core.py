@@ -455,9 +455,10 @@ class HboneConnection:
             stream_id &= 0x7FFFFFFF
             if length > self.settings.max_frame_size:
                 self._fail(f"frame of {length} bytes exceeds SETTINGS_MAX_FRAME_SIZE", ErrorCode.FRAME_SIZE_ERROR)
-            if ftype == DATA and stream_id in self.streams:
+            if ftype == DATA:
                 if h2_from >= 0:
-                    # The frames before may end the stream (a RST_STREAM in the same read): h2 sees them first.
+                    # The frames before may open the stream (its CONNECT in the same read) or end it (a RST_STREAM):
+                    # h2 sees them first.
                     events.extend(self._to_h2(view[h2_from:pos]))
                     h2_from = -1
                 if stream_id in self.streams:
