@@ -341,3 +341,94 @@ def test_the_hbone_core_uses_the_direct_end_stream() -> None:
     from ztunnel.proxy.hbone.core import HboneConnection
 
     assert HboneConnection(True)._end_stream_direct is thirdparty.enabled(thirdparty.H2_END_STREAM) is True
+
+
+# -- per stream: CONNECT and response HEADERS without frame objects (H2_HEADERS) ---------------------------------------
+
+REQUEST = [(":method", "CONNECT"), (":authority", "10.0.0.1:80"), ("baggage", "k8s.namespace.name=default")]
+
+
+def _settled_pair() -> tuple[h2.connection.H2Connection, h2.connection.H2Connection]:
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+    client.initiate_connection()
+    server.initiate_connection()
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    server.receive_data(client.data_to_send())
+    return client, server
+
+
+def _hpack_encode(encoder: hpack.Encoder, headers: list[tuple[str, str]]) -> bytes:
+    return bytes(encoder.encode(headers))
+
+
+def test_headers_sent_directly_are_h2s_send_headers() -> None:
+    """Same bytes and states as ``H2Connection.send_headers`` for a request and a response ending the stream (h2
+    encoding both blocks), and the same refusal of a second response without END_STREAM."""
+    oracle_c, oracle_s = _settled_pair()
+    direct_c, direct_s = _settled_pair()
+    oracle_c.send_headers(1, REQUEST)
+    thirdparty.h2_headers_sent(direct_c, 1, REQUEST, False, b"CONNECT", b"10.0.0.1:80", _hpack_encode)
+    wire = oracle_c.data_to_send()
+    assert direct_c.data_to_send() == wire
+    assert _state(direct_c, 1) == _state(oracle_c, 1)
+    assert direct_c.streams[1].request_method == oracle_c.streams[1].request_method == b"CONNECT"
+    oracle_s.receive_data(wire)
+    direct_s.receive_data(wire)
+    oracle_s.send_headers(1, [(":status", "503")], end_stream=True)
+    thirdparty.h2_headers_sent(direct_s, 1, [(":status", "503")], True, None, None, _hpack_encode)
+    assert direct_s.data_to_send() == oracle_s.data_to_send()
+    assert _state(direct_s, 1) == _state(oracle_s, 1)
+    again = _outcome(lambda: oracle_s.send_headers(1, [(":status", "200")]))
+    assert again is not None
+    assert again == _outcome(
+        lambda: thirdparty.h2_headers_sent(direct_s, 1, [(":status", "200")], False, None, None, _hpack_encode)
+    )
+
+
+def _no_plain_decode(decoder: object, block: bytes) -> None:
+    return None
+
+
+def test_headers_received_directly_are_h2s_receive_data() -> None:
+    """Same events (types, headers, END_STREAM) and states as the HEADERS frame through ``receive_data``, for a
+    request, a response ending the stream, and a block hpack rejects (same error, same GOAWAY queued)."""
+    sender_c, sender_s = _settled_pair()
+    sender_c.send_headers(1, REQUEST)
+    request = sender_c.data_to_send()
+    _, oracle = _settled_pair()
+    _, direct = _settled_pair()
+    want = oracle.receive_data(request)
+    got = thirdparty.h2_headers_received(direct, 1, request[9:], False, _no_plain_decode)
+    assert [type(e) for e in got] == [type(e) for e in want] == [h2.events.RequestReceived]
+    assert got[0].headers == want[0].headers  # type: ignore[attr-defined]
+    assert _state(direct, 1) == _state(oracle, 1)
+
+    sender_s.receive_data(request)
+    sender_s.send_headers(1, [(":status", "200"), ("baggage", "x")], end_stream=True)
+    response = sender_s.data_to_send()
+    oracle_c, _ = _settled_pair()
+    direct_c, _ = _settled_pair()
+    for c in (oracle_c, direct_c):
+        c.send_headers(1, REQUEST)
+    want = oracle_c.receive_data(response)
+    got = thirdparty.h2_headers_received(direct_c, 1, response[9:], True, _no_plain_decode)
+    assert [type(e) for e in got] == [type(e) for e in want] == [h2.events.ResponseReceived, h2.events.StreamEnded]
+    assert got[0].headers == want[0].headers  # type: ignore[attr-defined]
+    assert _state(direct_c, 1) == _state(oracle_c, 1)
+
+    garbage = b"\xbf\xff\xff\xff"  # an index far past both tables
+    _, oracle = _settled_pair()
+    _, direct = _settled_pair()
+    frame = len(garbage).to_bytes(3, "big") + bytes([1, 4, 0, 0, 0, 1]) + garbage
+    failed = _outcome(lambda: oracle.receive_data(frame))
+    assert failed is not None
+    assert failed == _outcome(lambda: thirdparty.h2_headers_received(direct, 1, garbage, False, _no_plain_decode))
+    assert direct.data_to_send() == oracle.data_to_send()
+
+
+def test_the_hbone_core_uses_the_direct_headers() -> None:
+    from ztunnel.proxy.hbone.core import HboneConnection
+
+    assert HboneConnection(True)._headers_direct is thirdparty.enabled(thirdparty.H2_HEADERS) is True

@@ -3,12 +3,19 @@
 Theory of operation
 -------------------
 h2 is the state machine for everything but DATA and GOAWAY: the connection preface and SETTINGS, HEADERS (the CONNECT
-request and its response), RST_STREAM, WINDOW_UPDATE and PING all go through ``H2Connection`` unchanged, so stream
-states, HPACK and the protocol checks are h2's. GOAWAY is sent and received here, because h2 stops sending anything
+request and its response), RST_STREAM, WINDOW_UPDATE and PING all reach ``H2Connection``'s state machines, so stream
+states and the protocol checks are h2's. GOAWAY is sent and received here, because h2 stops sending anything
 once either happened, and a graceful GOAWAY must let the open streams finish. DATA frames, which carry every
 tunnelled byte, are parsed and built here instead, because h2's path for them costs several copies and an eager
 ``repr`` of each frame (hex-encoding the payload: about 20% of a receiver's CPU, measured on these machines). This
 is the split the benchmark needs.
+
+The HEADERS of a CONNECT and of its response (a whole block in one frame) skip h2's frame objects and generic header
+pipeline: built and parsed here, then handed to h2's state machines through ``thirdparty.h2_headers_sent`` /
+``h2_headers_received`` (version-guarded, h2 the oracle in tests/proxy/hbone/test_headers_direct.py). Our blocks are
+HPACK literals without indexing (:func:`literal_header_block`), and such blocks are decoded without hpack
+(:func:`decode_plain_block`); any other block (a peer that indexes or Huffman-codes) goes to hpack's decoder. The
+sans-IO stream lifecycle went from ~150 to ~100 µs (bench/README.md, "Optimisations").
 
 Receiving: the I/O layer decrypts straight into :meth:`HboneConnection.get_buffer` and calls
 :meth:`HboneConnection.buffer_updated`. DATA payloads are delivered *streaming*, as soon as bytes of a frame arrive
@@ -46,6 +53,9 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import h2.stream
+import hpack
+import hpack.table
 
 from ztunnel import thirdparty
 from ztunnel.errors import ZtunnelError
@@ -67,6 +77,7 @@ FLAG_END_STREAM = 0x1
 FLAG_ACK = 0x1
 FLAG_END_HEADERS = 0x4
 FLAG_PADDED = 0x8
+FLAG_PRIORITY = 0x20
 # How many recently reset stream ids are remembered, so DATA the peer had in flight when we reset them is not
 # mistaken for abuse (one stream window, 4 MiB, can be hundreds of frames).
 _RECENT_RESETS = 256
@@ -315,6 +326,8 @@ class HboneConnection:
         # At most _CLOSED_STREAMS_REMEMBERED closed streams, header values as plain literals (the numbers: there).
         thirdparty.adjust_h2(self.h2, closed_streams=_CLOSED_STREAMS_REMEMBERED)
         self._end_stream_direct = thirdparty.enabled(thirdparty.H2_END_STREAM)
+        # CONNECT requests and their responses sent and received without h2's frame objects (thirdparty.H2_HEADERS).
+        self._headers_direct = thirdparty.enabled(thirdparty.H2_HEADERS)
         self.streams: dict[int, _Stream] = {}
         # Allocated at the first receive: a connection still in its TLS handshake (or stalled there) costs none.
         self._buf = bytearray()
@@ -442,14 +455,17 @@ class HboneConnection:
             stream_id &= 0x7FFFFFFF
             if length > self.settings.max_frame_size:
                 self._fail(f"frame of {length} bytes exceeds SETTINGS_MAX_FRAME_SIZE", ErrorCode.FRAME_SIZE_ERROR)
-            if ftype == DATA and stream_id in self.streams:
+            if ftype == DATA:
                 if h2_from >= 0:
+                    # The frames before may open the stream (its CONNECT in the same read) or end it (a RST_STREAM):
+                    # h2 sees them first.
                     events.extend(self._to_h2(view[h2_from:pos]))
                     h2_from = -1
-                if length == 0 and not flags & FLAG_END_STREAM:
-                    self._spend("empty DATA frames")
-                pos = self._start_data(events, pos, length, flags, stream_id)
-                continue
+                if stream_id in self.streams:
+                    if length == 0 and not flags & FLAG_END_STREAM:
+                        self._spend("empty DATA frames")
+                    pos = self._start_data(events, pos, length, flags, stream_id)
+                    continue
             if ftype in (HEADERS, CONTINUATION) and max(self._header_block, 0) + length > self._header_block_limit:
                 # Checked on the frame header, before buffering a frame that may be up to 1 MiB.
                 self._fail(
@@ -461,6 +477,22 @@ class HboneConnection:
             if end - pos < FRAME_HEADER_SIZE + length:
                 self._need = FRAME_HEADER_SIZE + length
                 break
+            if (
+                ftype == HEADERS
+                and flags & (FLAG_END_HEADERS | FLAG_PADDED | FLAG_PRIORITY) == FLAG_END_HEADERS
+                and self._header_block < 0
+                and self._headers_direct
+                and self._opens_exchange(stream_id)
+            ):
+                # A whole request or response in one frame: decoded here and handed to h2's state machines
+                # directly, not parsed into a frame object (thirdparty.H2_HEADERS). In wire order with the rest.
+                if h2_from >= 0:
+                    events.extend(self._to_h2(view[h2_from:pos]))
+                    h2_from = -1
+                start = pos + FRAME_HEADER_SIZE
+                events.extend(self._headers_frame(stream_id, bytes(view[start : start + length]), flags))
+                pos = start + length
+                continue
             if ftype != DATA:
                 self._account(ftype, flags, length, stream_id)
             elif stream_id not in self._reset_by_us:
@@ -593,6 +625,26 @@ class HboneConnection:
                 events.extend(self._translate(h2_events))
             else:
                 events.extend(self._to_h2(_HEADER.pack(DATA, FLAG_END_STREAM, stream_id)))
+
+    def _opens_exchange(self, stream_id: int) -> bool:
+        """Whether a HEADERS frame on ``stream_id`` is one h2 would take as a new request (server) or the first
+        response to our request (client), never as a frame on a closed stream (which h2 answers its own way)."""
+        if self.client_side:
+            stream = self.h2.streams.get(stream_id)
+            if stream is None:
+                return False
+            machine = stream.state_machine
+            return not machine.headers_received and machine.state in _AWAITING_RESPONSE
+        return stream_id & 1 == 1 and stream_id > self.h2.highest_inbound_stream_id and stream_id not in self.h2.streams
+
+    def _headers_frame(self, stream_id: int, block: bytes, flags: int) -> list[Event]:
+        try:
+            h2_events = thirdparty.h2_headers_received(
+                self.h2, stream_id, block, bool(flags & FLAG_END_STREAM), decode_plain_block
+            )
+        except h2.exceptions.ProtocolError as e:
+            self._h2_failed(e)
+        return self._translate(h2_events)
 
     def _to_h2(self, frames: bytes | memoryview) -> list[Event]:
         try:
@@ -741,7 +793,13 @@ class HboneConnection:
         if method != "CONNECT":
             block += [(":scheme", "https"), (":path", "/")]
         block += list(headers)
-        self.h2.send_headers(stream_id, block)
+        if self._headers_direct:
+            # h2's send_headers without its frame objects and header pipeline (thirdparty.H2_HEADERS).
+            thirdparty.h2_headers_sent(
+                self.h2, stream_id, block, False, method.encode(), authority.encode(), encode_header_block
+            )
+        else:
+            self.h2.send_headers(stream_id, block)
         self.streams[stream_id] = _Stream(recv_window=self.settings.stream_window)
         return stream_id
 
@@ -749,8 +807,14 @@ class HboneConnection:
         self, stream_id: int, status: int, headers: Iterable[tuple[str, str]] = (), end_stream: bool = False
     ) -> None:
         """Server: answer a CONNECT. A non-200 status ends the stream (upstream sends errors with END_STREAM)."""
+        block = [(":status", str(status)), *headers]
         try:
-            self.h2.send_headers(stream_id, [(":status", str(status)), *headers], end_stream=end_stream)
+            if self._headers_direct and status >= 200:
+                # h2's send_headers without its frame objects and header pipeline (thirdparty.H2_HEADERS); an
+                # informational response goes through h2, which tells it apart.
+                thirdparty.h2_headers_sent(self.h2, stream_id, block, end_stream, None, None, encode_header_block)
+            else:
+                self.h2.send_headers(stream_id, block, end_stream=end_stream)
         except h2.exceptions.ProtocolError:
             # The client reset the stream (or the connection closed) while we were deciding: nothing to answer.
             self.streams.pop(stream_id, None)
@@ -848,6 +912,8 @@ def _remember(recent: dict[int, None], stream_id: int) -> None:
         del recent[next(iter(recent))]
 
 
+# h2 stream states in which our request is out and its response may come.
+_AWAITING_RESPONSE = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
 _REQUEST_PSEUDO = frozenset({b":method", b":scheme", b":authority", b":path", b":protocol"})
 # RFC 9113 §8.2.2: connection-specific fields make a request malformed.
 _CONNECTION_SPECIFIC = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"})
@@ -900,4 +966,146 @@ def _decode_headers(raw: Iterable[tuple[bytes | str, bytes | str]]) -> dict[str,
         key = k.decode("ascii", "replace") if isinstance(k, bytes) else k
         value = v.decode("utf-8", "replace") if isinstance(v, bytes) else v
         out[key] = value
+    return out
+
+
+# -- header blocks -------------------------------------------------------------------------------------------------
+# HBONE header blocks are a handful of fields sent once per stream, most of them with values that differ on every
+# stream (:authority, baggage, forwarded, traceparent). hpack's Encoder looks each one up in its tables and inserts
+# it into the dynamic table (evicting older ones), and the peer's decoder inserts it again: ~30% of h2's work per
+# stream on both sides. A block of literals *without indexing* (RFC 7541 §6.2.2) leaves both dynamic tables alone,
+# costs only byte concatenation here and a table-free decode there, and is valid for every HPACK decoder (Rust h2,
+# Envoy). Fields in the static table whole (":status: 200") are sent as their one-byte index. Plain octets, no
+# Huffman, as thirdparty.HPACK_PLAIN_LITERALS already does for hpack's own encoding.
+
+
+def _hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
+    """RFC 7541 §5.1: ``value`` with an N-bit prefix, ``first`` holding the representation's high bits."""
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes((first | value,))
+    out = bytearray((first | limit,))
+    value -= limit
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _static_tables() -> tuple[dict[tuple[bytes, bytes], bytes], dict[bytes, bytes]]:
+    whole: dict[tuple[bytes, bytes], bytes] = {}
+    names: dict[bytes, bytes] = {}
+    for index, (name, value) in enumerate(hpack.table.HeaderTable.STATIC_TABLE, start=1):
+        if value:
+            whole.setdefault((name, value), _hpack_int(index, 7, 0x80))  # indexed field (§6.1)
+        names.setdefault(name, _hpack_int(index, 4))  # literal without indexing, indexed name (§6.2.2)
+    return whole, names
+
+
+_STATIC_WHOLE, _STATIC_NAME = _static_tables()
+# Lengths below 127 (all but very long values) are one byte: H bit clear, 7-bit prefix.
+_SHORT_LENGTH = [bytes((n,)) for n in range(127)]
+
+
+def literal_header_block(headers: Iterable[tuple[str, str]]) -> bytes:
+    """An HPACK header block of ``headers`` (UTF-8) that uses no dynamic table: static-table indexes for whole
+    static fields, otherwise literals without indexing with the name from the static table where it is there."""
+    out = bytearray()
+    for name, value in headers:
+        n = name.encode()
+        v = value.encode()
+        whole = _STATIC_WHOLE.get((n, v))
+        if whole is not None:
+            out += whole
+            continue
+        prefix = _STATIC_NAME.get(n)
+        if prefix is None:
+            out += b"\x00"
+            out += _SHORT_LENGTH[len(n)] if len(n) < 127 else _hpack_int(len(n), 7)
+            out += n
+        else:
+            out += prefix
+        out += _SHORT_LENGTH[len(v)] if len(v) < 127 else _hpack_int(len(v), 7)
+        out += v
+    return bytes(out)
+
+
+def encode_header_block(encoder: hpack.Encoder, headers: list[tuple[str, str]]) -> bytes:
+    """The header block for ``headers`` on a connection whose HPACK encoder is ``encoder``: literal (see
+    :func:`literal_header_block`) unless the peer changed the dynamic table size and the encoder owes it a size
+    update (RFC 7541 §4.2, at the start of the next block), which hpack's own encoding then carries."""
+    if encoder.header_table.resized:
+        return bytes(encoder.encode(headers))
+    return literal_header_block(headers)
+
+
+_STATIC_ENTRIES: tuple[tuple[bytes, bytes], ...] = hpack.table.HeaderTable.STATIC_TABLE
+
+
+def _hpack_int_at(block: bytes, pos: int, mask: int) -> tuple[int, int]:
+    """RFC 7541 §5.1: the integer with a ``mask``-sized prefix at ``block[pos]``, and the position after it. Raises
+    IndexError when the block ends inside it, ValueError when it is longer than any header list we accept."""
+    value = block[pos] & mask
+    pos += 1
+    if value < mask:
+        return value, pos
+    shift = 0
+    while True:
+        byte = block[pos]
+        pos += 1
+        value += (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+        if shift > 28:
+            raise ValueError("HPACK integer too long")
+
+
+def decode_plain_block(decoder: hpack.Decoder, block: bytes) -> list[tuple[bytes, bytes]] | None:
+    """The header list of a block that leaves the dynamic table alone and has no Huffman-coded string (static-table
+    indexes and literals without indexing: what :func:`literal_header_block` makes), or None for any other block, or
+    one hpack would reject (too large, truncated, a bad index): ``decoder`` (hpack's) then decodes it, with its
+    errors. Decoding such a block with hpack changes nothing in ``decoder``, so declining costs nothing but time."""
+    if decoder.header_table_size > decoder.max_allowed_table_size:
+        return None  # hpack would refuse the block until the peer shrinks its table
+    limit = decoder.max_header_list_size
+    out: list[tuple[bytes, bytes]] = []
+    size = 0
+    pos, end = 0, len(block)
+    try:
+        while pos < end:
+            first = block[pos]
+            if first & 0x80:  # indexed field (§6.1): static entries only
+                index, pos = _hpack_int_at(block, pos, 0x7F)
+                if not 0 < index <= len(_STATIC_ENTRIES):
+                    return None
+                name, value = _STATIC_ENTRIES[index - 1]
+            elif first & 0xF0:  # indexing, never-indexed or a table size update: hpack's
+                return None
+            else:  # literal without indexing (§6.2.2)
+                index, pos = _hpack_int_at(block, pos, 0x0F)
+                if index:
+                    if index > len(_STATIC_ENTRIES):
+                        return None
+                    name = _STATIC_ENTRIES[index - 1][0]
+                else:
+                    if block[pos] & 0x80:  # Huffman-coded
+                        return None
+                    length, pos = _hpack_int_at(block, pos, 0x7F)
+                    name = block[pos : pos + length]
+                    pos += length
+                if block[pos] & 0x80:
+                    return None
+                length, pos = _hpack_int_at(block, pos, 0x7F)
+                value = block[pos : pos + length]
+                pos += length
+                if pos > end:
+                    return None
+            size += len(name) + len(value) + 32  # RFC 7541 §4.1, as hpack counts the list against its limit
+            if size > limit:
+                return None
+            out.append((name, value))
+    except (IndexError, ValueError):
+        return None
     return out
