@@ -9,6 +9,7 @@ connect is still in flight, because their connection is already tracked by then.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from ipaddress import ip_address
 
 from ztunnel.errors import ZtunnelError
@@ -26,6 +27,7 @@ from ztunnel.sockets import (
     sockaddr,
 )
 from ztunnel.state.workload import IPAddress
+from ztunnel.tasks import running_loop
 
 # The access log's error for an inbound connection that a policy change (or a drain) stopped while it connected.
 INTERRUPTED = "connection to the app interrupted"
@@ -40,7 +42,7 @@ async def connect_plain(
 ) -> PlainConnection:
     """A plaintext TCP connection to ``dst`` (10 s timeout), optionally from a spoofed source IP. ``interrupt``
     (:func:`connect_interruptible`) can end the attempt early: then :class:`Interrupted`."""
-    loop = asyncio.get_running_loop()
+    loop = running_loop()
     try:
         sock = sockets.tcp(family_of(dst[0]), bind_source=bind_src is None)
     except OSError as e:  # EMFILE above all: a clear failure for this connection, not a crashed task
@@ -57,15 +59,17 @@ async def connect_plain(
             elif sockets.cfg.source_ip is not None and family_of(ip_address(sockets.cfg.source_ip)) == sock.family:
                 set_bind_no_port(sock)
                 sock.bind((sockets.cfg.source_ip, 0))
-        # One timeout scope per connect, which an interruption shortens to now (an asyncio.timeout costs a Timeout,
-        # a task lookup and, on Python 3.11, two getpid() calls: two of them per inbound connection were ~2 % of
-        # its CPU).
-        async with asyncio.timeout(CONNECTION_TIMEOUT) as scope:
-            if interrupt is not None:
-                interrupt.hold(scope)
-            await connect(sock, sockaddr(*dst))
-            upstream = PlainConnection()
-            await loop.create_connection(lambda: upstream, sock=sock)
+        # The timeout is a timer on the loop that ends the wait for the handshake, and an interruption ends it the
+        # same way at once: no asyncio.timeout scope, which costs a Timeout, a task lookup and, on Python 3.11, two
+        # getpid() system calls (with the running-loop lookups they were 7 getpid per inbound connection).
+        await connect(
+            sock,
+            sockaddr(*dst),
+            timeout=CONNECTION_TIMEOUT,
+            on_waiting=interrupt.hold if interrupt is not None else None,
+        )
+        upstream = PlainConnection()
+        await loop.create_connection(lambda: upstream, sock=sock)
     except TimeoutError:
         sock.close()
         if interrupt is not None and interrupt.fired:
@@ -87,25 +91,24 @@ class Interrupted(ZtunnelError):
 
 
 class Interrupt:
-    """A ``closer`` for a connection still connecting: ends the connect's timeout scope at once, as an
+    """A ``closer`` for a connection still connecting: ends the wait for the handshake at once, as an
     interruption rather than a timeout."""
 
-    __slots__ = ("fired", "scope")
+    __slots__ = ("fired", "wake")
 
     def __init__(self) -> None:
         self.fired = False
-        self.scope: asyncio.Timeout | None = None
+        self.wake: Callable[[], None] | None = None  # ends the connect's wait (sockets.connect's on_waiting)
 
-    def hold(self, scope: asyncio.Timeout) -> None:
-        self.scope = scope
+    def hold(self, wake: Callable[[], None]) -> None:
+        self.wake = wake
         if self.fired:
-            scope.reschedule(0)
+            wake()
 
     def __call__(self, reason: str) -> None:
         self.fired = True
-        scope = self.scope
-        if scope is not None and not scope.expired():
-            scope.reschedule(0)  # in the past: fires on the next loop iteration
+        if self.wake is not None:
+            self.wake()  # the wait ends with TimeoutError, which connect_plain reads as this interruption
 
 
 async def connect_interruptible(

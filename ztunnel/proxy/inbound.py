@@ -59,11 +59,12 @@ from ztunnel.proxy.metrics import DerivedWorkload
 from ztunnel.proxy.proxy_protocol import app_tunnel_header
 from ztunnel.proxy.relay import PlainConnection
 from ztunnel.rbac import Connection
-from ztunnel.sockets import local_dst, peer_addr, set_accepted_options
+from ztunnel.sockets import set_accepted_options, transport_local, transport_peer
 from ztunnel.state import ProxyState
 from ztunnel.state.service import Service
 from ztunnel.state.upstream import ServiceDescription
 from ztunnel.state.workload import AppTunnelProtocol, IPAddress, NetworkAddress, NetworkMode, Workload
+from ztunnel.tasks import running_loop
 from ztunnel.telemetry import display, enter_span, span_id
 from ztunnel.telemetry import log as log_fields
 
@@ -301,7 +302,7 @@ class Inbound(Listener):
             self.pi.balance.opened()
         conn = self._accepted()
         try:
-            await asyncio.get_running_loop().connect_accepted_socket(lambda: conn, sock)
+            await running_loop().connect_accepted_socket(lambda: conn, sock)
         except BaseException:
             conn.abort("the handed-over socket could not be served")  # counted closed, like any connection
             sock.close()
@@ -583,17 +584,17 @@ def _deny_message(reason: str) -> str:
 
 
 def peer_addr_of(conn: HboneTransport) -> tuple[IPAddress, int]:
-    sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
-    if sock is not None:
-        return peer_addr(sock)
+    transport = conn.transport
+    if transport is not None and transport.get_extra_info("socket") is not None:
+        return transport_peer(transport)  # kept by the transport: no getpeername per stream
     assert conn.peer is not None
     return ipaddress.ip_address(conn.peer[0]), conn.peer[1]
 
 
 def local_addr_of(conn: HboneTransport) -> tuple[IPAddress, int]:
-    sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
-    if sock is not None:
-        return local_dst(sock)
+    transport = conn.transport
+    if transport is not None and transport.get_extra_info("socket") is not None:
+        return transport_local(transport)
     assert conn.local is not None
     return ipaddress.ip_address(conn.local[0]), conn.local[1]
 
