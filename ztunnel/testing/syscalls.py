@@ -70,6 +70,7 @@ class SyscallCounter:
             finally:
                 proc.send_signal(signal.SIGINT)  # detaches and writes the summary
                 proc.wait(30)
+                proc.stderr.close()
                 self.counts = parse_strace_c(Path(out.name).read_text())
 
 
