@@ -349,6 +349,12 @@ class SocketFactory:
     def __init__(self, cfg: SocketConfig) -> None:
         self.cfg = cfg
 
+    def loop_may_connect(self) -> bool:
+        """Whether the event loop may make and connect an outbound socket itself: no option is needed before the
+        connect (SO_MARK), and the sockets are not made specially (in-pod mode makes them in the pod's network
+        namespace, by overriding :meth:`tcp`)."""
+        return self.cfg.mark is None and type(self).tcp is SocketFactory.tcp
+
     def tcp(self, family: socket.AddressFamily, *, bind_source: bool = True) -> socket.socket:
         """An unconnected, non-blocking TCP socket for an outbound connection (marked, keepalive on).
 

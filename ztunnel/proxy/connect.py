@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from ipaddress import ip_address
+from typing import Literal
 
 from ztunnel.errors import ZtunnelError
 from ztunnel.net import format_addr
@@ -23,8 +24,10 @@ from ztunnel.sockets import (
     family_of,
     set_bind_no_port,
     set_freebind,
+    set_keepalive,
     set_transparent,
     sockaddr,
+    socket_of,
 )
 from ztunnel.state.workload import IPAddress
 from ztunnel.tasks import running_loop
@@ -43,6 +46,10 @@ async def connect_plain(
     """A plaintext TCP connection to ``dst`` (10 s timeout), optionally from a spoofed source IP. ``interrupt``
     (:func:`connect_interruptible`) can end the attempt early: then :class:`Interrupted`."""
     loop = running_loop()
+    if sockets.loop_may_connect():
+        local = _loop_local_addr(sockets, bind_src, transparent)
+        if local is not False:
+            return await _loop_connect(loop, sockets, dst, local, interrupt)
     try:
         sock = sockets.tcp(family_of(dst[0]), bind_source=bind_src is None)
     except OSError as e:  # EMFILE above all: a clear failure for this connection, not a crashed task
@@ -83,6 +90,71 @@ async def connect_plain(
     except asyncio.CancelledError:
         sock.close()  # the stream this was for went away first
         raise
+    return upstream
+
+
+def _loop_local_addr(
+    sockets: SocketFactory, bind_src: IPAddress | None, transparent: bool
+) -> tuple[str, int] | Literal[False] | None:
+    """The source address the event loop may bind itself (None: none), or False when the socket needs options
+    before its bind (IP_TRANSPARENT, IP_FREEBIND, IP_BIND_ADDRESS_NO_PORT), which only the slow path sets."""
+    if bind_src is None:
+        return False if sockets.cfg.source_ip is not None else None
+    if bind_src.is_loopback:
+        return sockaddr(bind_src, 0)  # the app tunnel over loopback, bound as connect_plain's own path does
+    if transparent or sockets.cfg.source_ip is not None:
+        return False
+    return None
+
+
+async def _loop_connect(
+    loop: asyncio.AbstractEventLoop,
+    sockets: SocketFactory,
+    dst: tuple[IPAddress, int],
+    local: tuple[str, int] | None,
+    interrupt: Interrupt | None,
+) -> PlainConnection:
+    """:func:`connect_plain` when no option has to precede the connect: the event loop makes, binds and connects
+    the socket itself (uvloop: libuv's ``uv_tcp_connect``, numeric addresses resolved in place), and keepalive is
+    set once it is connected. Against a socket of ours connected with a writability wait, that is ~6 system calls
+    fewer per connection (no ``ioctl``s, no poll handle made and torn down: its ``epoll_ctl`` ADD/DEL probe and
+    three DELs, no second TCP_NODELAY) and no future, closures or poll handle in Python."""
+    task = asyncio.current_task(loop)  # with the loop given: no running-loop lookup (no getpid on Python 3.11)
+    assert task is not None
+    state = [False, False]  # [timed out or interrupted, finished]
+
+    def expire() -> None:
+        if not state[0] and not state[1]:
+            state[0] = True
+            task.cancel()
+
+    timer = loop.call_later(CONNECTION_TIMEOUT, expire)
+    if interrupt is not None:
+        interrupt.hold(expire)
+    upstream = PlainConnection()
+    host, port = sockaddr(*dst)
+    try:
+        await loop.create_connection(lambda: upstream, host, port, local_addr=local)
+    except asyncio.CancelledError:
+        if state[0] and task.uncancel() == 0:
+            if interrupt is not None and interrupt.fired:
+                raise Interrupted from None
+            raise ProxyError(f"connection to {format_addr(*dst)} timed out", timed_out=True) from None
+        raise
+    except OSError as e:
+        raise ProxyError(
+            f"failed to connect to {format_addr(*dst)}: {os_error_reason(e)}", timed_out=is_timeout(e)
+        ) from None
+    finally:
+        state[1] = True
+        timer.cancel()
+    transport = upstream.transport
+    if sockets.cfg.keepalive_enabled and transport is not None and not upstream.closed:
+        try:
+            with socket_of(transport) as sock:
+                set_keepalive(sock, sockets.cfg)
+        except OSError:
+            pass  # closed by the peer already: the relay sees it
     return upstream
 
 
