@@ -174,33 +174,32 @@ class FdHeadroom:
     connection closed), then takes the reserve back. No error reaches ztunnel and the loop does not spin, so without
     this the only sign would be clients failing. The kernel hands out the lowest free descriptor, so an accepted
     socket numbered within :data:`HEADROOM` of the limit means all the ones below are taken: a check per accept,
-    against the limit read at most a second ago (it can change at run time: ``prlimit``), or read again when the
-    descriptor comes near it. Recovery is confirmed by counting the
+    against the limit read again for every new highest descriptor and at most a second ago otherwise (it can
+    change at run time: ``prlimit``). Recovery is confirmed by counting the
     open descriptors, at most once a second.
     """
 
     HEADROOM = 32  # descriptors; an eighth of the limit when that is less (a test's tiny limit)
-    # The limit is read again at most this often (s), and whenever a descriptor comes near the one last read: a
-    # ``getrlimit`` per accept was one of the ~68 system calls per connection in the self-loop (``strace -c``).
+    # The limit is read again whenever an accepted descriptor is the highest since the last read (the only way
+    # towards exhaustion), and otherwise at most once a second (a limit changed at run time while the descriptor
+    # numbers stay put): a getrlimit per accept was one of the ~68 system calls per connection in the self-loop
+    # (strace -c), where the same few descriptor numbers come back on every connection.
     LIMIT_TTL = 1.0
 
     def __init__(self) -> None:
         self.exhausted = False
         self._checked = 0.0
         self._soft = -1  # the soft limit last read; -1: none yet
+        self._high = -1  # the highest descriptor checked since it was read
         self._read_at = 0.0
 
     def _limit(self, fd: int) -> int:
         now = time.monotonic()
-        soft = self._soft
-        if (
-            soft < 0
-            or now - self._read_at >= self.LIMIT_TTL
-            or (soft != resource.RLIM_INFINITY and fd >= soft - 2 * self.HEADROOM)
-        ):
-            soft = self._soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if fd > self._high or now - self._read_at >= self.LIMIT_TTL:
+            self._soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            self._high = fd
             self._read_at = now
-        return soft
+        return self._soft
 
     def check(self, fd: int) -> None:
         soft = self._limit(fd)
