@@ -111,17 +111,6 @@ def _parsed_ip(host: str) -> IPAddress:
     return canonical_ip(ipaddress.ip_address(host))
 
 
-def local_dst(sock: socket.socket) -> tuple[IPAddress, int]:
-    """The socket's own address: the original destination under TPROXY (no NAT happened)."""
-    host, port = sock.getsockname()[:2]
-    return _parsed_ip(host), port
-
-
-def peer_addr(sock: socket.socket) -> tuple[IPAddress, int]:
-    host, port = sock.getpeername()[:2]
-    return _parsed_ip(host), port
-
-
 def transport_peer(transport: asyncio.BaseTransport) -> tuple[IPAddress, int]:
     """The peer of a connected transport, from the address the transport kept when it was made (uvloop and asyncio
     both read it once then): no ``getpeername`` per use, as through the transport's socket object (uvloop's
@@ -131,7 +120,8 @@ def transport_peer(transport: asyncio.BaseTransport) -> tuple[IPAddress, int]:
 
 
 def transport_local(transport: asyncio.BaseTransport) -> tuple[IPAddress, int]:
-    """The transport's own address (the original destination under TPROXY), as :func:`transport_peer`."""
+    """The transport's own address: the original destination under TPROXY (no NAT happened), as
+    :func:`transport_peer`."""
     host, port = transport.get_extra_info("sockname")[:2]
     return _parsed_ip(host), port
 
