@@ -25,6 +25,7 @@ client's when the listener could be made transparent (IP_TRANSPARENT), so the wo
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import socket
@@ -103,6 +104,22 @@ def parse_authority(authority: str) -> tuple[IPAddress, int] | tuple[str, int]:
     """``ip:port`` / ``[v6]:port`` as an address, or ``host:port`` as a hostname; ValueError naming the authority
     otherwise.
 
+    Answers from a bounded cache (the same few authorities come back on every CONNECT; parsing one with
+    ``ipaddress`` was most of its cost, and the results are immutable): 4,096 authorities of at most 64 characters
+    (a bracketed IPv6 address with a port is at most 47), so a peer's long or many authorities hold no more than
+    ~1 MiB; a refused one is parsed each time.
+    """
+    if len(authority) <= _CACHED_AUTHORITY:
+        return _parse_authority_cached(authority)
+    return _parse_authority(authority)
+
+
+_CACHED_AUTHORITY = 64
+
+
+def _parse_authority(authority: str) -> tuple[IPAddress, int] | tuple[str, int]:
+    """:func:`parse_authority`, uncached.
+
     As strict as upstream (Rust's ``SocketAddr``, then ``http::uri::Authority``): ASCII only, a decimal port of at
     most 5 digits, an IPv6 address only in brackets and without a zone (``::1:80`` is ambiguous, ``fe80::1%eth0``
     is no pod's address), nothing but an IPv6 address in brackets.
@@ -131,6 +148,9 @@ def parse_authority(authority: str) -> tuple[IPAddress, int] | tuple[str, int]:
                 f"invalid authority {bad}: host {_quote(host)} is not an IP address or a hostname"
             ) from None
         return host, port
+
+
+_parse_authority_cached = functools.lru_cache(maxsize=4096)(_parse_authority)
 
 
 def _quote(text: str) -> str:
