@@ -11,7 +11,6 @@ node B the HBONE accept and the connect to the app. Used by ``tests/proxy/test_s
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import shutil
 import signal
@@ -119,12 +118,13 @@ def per_connection_table(n: int, workdir: Path, extra_env: dict[str, str] | None
 
 
 def main() -> None:
-    """Print the per-connection table (markdown) for ``n`` connections (argv[1], default 200)."""
+    """Print the per-connection table (markdown) for ``n`` connections (argv[1], default 200), at the bench's log
+    level (``RUST_LOG=warn``: no access-log line, so none of the log writer thread's ``futex`` wake-ups)."""
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 200
     with tempfile.TemporaryDirectory() as d:
-        table = per_connection_table(n, Path(d))
+        table = per_connection_table(n, Path(d), {"RUST_LOG": "warn"})
     names = sorted(set(table["a"]) | set(table["b"]), key=lambda k: -(table["a"].get(k, 0) + table["b"].get(k, 0)))
-    print(f"| system call | node A (SOCKS5 in, HBONE out) | node B (HBONE in, app out) |  (n={n}, pid {os.getpid()})")
+    print(f"| system call (n={n}) | node A (SOCKS5 in, HBONE out) | node B (HBONE in, app out) |")
     print("|---|---|---|")
     for k in names:
         print(f"| `{k}` | {table['a'].get(k, 0):.1f} | {table['b'].get(k, 0):.1f} |")
