@@ -95,3 +95,17 @@ def test_parse_ignores_unknown_and_malformed_items_and_joins_values() -> None:
 def test_encode_parse_round_trip() -> None:
     assert baggage.parse(baggage.encode(FULL, "cronjob")) == FULL
     assert baggage.parse(baggage.encode(Baggage(namespace="ns", zone="z"), "pod")) == Baggage(namespace="ns", zone="z")
+
+
+def test_one_header_value_is_parsed_once() -> None:
+    """Every connection from a workload carries the same header: the same (immutable) Baggage comes back without
+    parsing again; a value longer than the cache takes (512 characters) is parsed each time, with the same result."""
+    from ztunnel import baggage
+
+    value = "k8s.cluster.name=c1,k8s.namespace.name=ns1,k8s.deployment.name=w1,service.name=s1,service.version=v1"
+    first = baggage.parse(value)
+    assert first.namespace == "ns1" and first.workload_name == "w1"
+    assert baggage.parse(value) is first
+    long_value = value + ",x=" + "y" * 600
+    assert baggage.parse(long_value) == first and baggage.parse(long_value) is not baggage.parse(long_value)
+    assert baggage.parse([value]) == first

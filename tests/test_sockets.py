@@ -225,23 +225,39 @@ async def test_connect_waits_for_the_handshake_and_can_be_cancelled() -> None:
     await asyncio.sleep(0.05)  # the loop goes on polling after the close
 
 
-def test_peer_and_local_addresses_are_parsed_once_per_address() -> None:
-    """``peer_addr``/``local_dst`` answer from a cache of parsed addresses (the same few come back on every
-    connection): the same object each time, still canonical (an IPv4-mapped IPv6 peer is its IPv4 address)."""
+async def test_peer_and_local_addresses_are_parsed_once_per_address() -> None:
+    """``transport_peer``/``transport_local`` answer from the addresses the transport kept and a cache of parsed
+    addresses (the same few come back on every connection): the same object each time, still canonical (an
+    IPv4-mapped IPv6 peer is its IPv4 address)."""
     import ipaddress
 
-    from ztunnel.sockets import local_dst, peer_addr
+    from ztunnel.sockets import transport_local, transport_peer
 
-    with socket.socket(socket.AF_INET6) as server:
-        server.bind(("::", 0))
-        server.listen()
-        clients = [socket.create_connection(("127.0.0.1", server.getsockname()[1])) for _ in range(2)]
-        accepted = [server.accept()[0] for _ in clients]
+    transports: list[asyncio.BaseTransport] = []
+
+    class Keep(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            transports.append(transport)
+
+    loop = asyncio.get_running_loop()
+    with socket.socket(socket.AF_INET6) as listener:
+        listener.bind(("::", 0))
+        listener.listen()
+        server = await loop.create_server(Keep, sock=listener)
+        clients = [socket.create_connection(("127.0.0.1", listener.getsockname()[1])) for _ in range(2)]
         try:
-            (ip1, port1), (ip2, port2) = (peer_addr(s) for s in accepted)
+            for _ in range(200):
+                if len(transports) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            (ip1, port1), (ip2, port2) = (transport_peer(t) for t in transports)
             assert ip1 == ipaddress.IPv4Address("127.0.0.1") and ip1 is ip2  # parsed once, canonical
             assert {port1, port2} == {c.getsockname()[1] for c in clients}
-            assert local_dst(accepted[0])[0] is local_dst(accepted[1])[0]
+            assert transport_local(transports[0])[0] is transport_local(transports[1])[0]
+            assert transport_local(transports[0])[1] == listener.getsockname()[1]
         finally:
-            for s in [*clients, *accepted]:
-                s.close()
+            for c in clients:
+                c.close()
+            for t in transports:
+                t.close()
+            server.close()

@@ -67,10 +67,29 @@ def workload_baggage(w: Workload) -> str:
     return value
 
 
+_parsed: dict[str, Baggage] = {}
+
+
 def parse(values: str | list[str]) -> Baggage:
-    """Parse one or more ``baggage`` header values; unknown keys and malformed items are ignored, as upstream."""
+    """Parse one or more ``baggage`` header values; unknown keys and malformed items are ignored, as upstream.
+
+    One value (what a peer sends) answers from a bounded cache: every connection from a workload carries the same
+    header, and Baggage is immutable. 4,096 values of at most 512 characters (the six keys upstream writes take
+    ~200), so a peer's headers hold no more than ~2 MiB."""
+    if isinstance(values, str) and len(values) <= 512:
+        hit = _parsed.get(values)
+        if hit is None:
+            hit = _parse([values])
+            if len(_parsed) >= 4096:
+                _parsed.clear()
+            _parsed[values] = hit
+        return hit
+    return _parse([values] if isinstance(values, str) else values)
+
+
+def _parse(values: list[str]) -> Baggage:
     fields: dict[str, str | None] = {}
-    for value in [values] if isinstance(values, str) else values:
+    for value in values:
         for item in value.split(","):
             parts = item.split("=")
             if len(parts) < 2:

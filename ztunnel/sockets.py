@@ -21,12 +21,14 @@ import resource
 import socket
 import struct
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ztunnel.config import Config, SocketAddress
 from ztunnel.errors import ZtunnelError
 from ztunnel.net import format_addr
 from ztunnel.state.workload import IPAddress, canonical_ip
+from ztunnel.tasks import running_loop
 
 SOL_IP = 0
 SOL_IPV6 = 41
@@ -109,24 +111,47 @@ def _parsed_ip(host: str) -> IPAddress:
     return canonical_ip(ipaddress.ip_address(host))
 
 
-def local_dst(sock: socket.socket) -> tuple[IPAddress, int]:
-    """The socket's own address: the original destination under TPROXY (no NAT happened)."""
-    host, port = sock.getsockname()[:2]
+def transport_peer(transport: asyncio.BaseTransport) -> tuple[IPAddress, int]:
+    """The peer of a connected transport, from the address the transport kept when it was made (uvloop and asyncio
+    both read it once then): no ``getpeername`` per use, as through the transport's socket object (uvloop's
+    stand-in socket pays a ``getsockname`` to build a socket object, then the call itself)."""
+    host, port = transport.get_extra_info("peername")[:2]
     return _parsed_ip(host), port
 
 
-def peer_addr(sock: socket.socket) -> tuple[IPAddress, int]:
-    host, port = sock.getpeername()[:2]
+def transport_local(transport: asyncio.BaseTransport) -> tuple[IPAddress, int]:
+    """The transport's own address: the original destination under TPROXY (no NAT happened), as
+    :func:`transport_peer`."""
+    host, port = transport.get_extra_info("sockname")[:2]
     return _parsed_ip(host), port
+
+
+@contextlib.contextmanager
+def socket_of(transport: asyncio.BaseTransport) -> Iterator[socket.socket]:
+    """A socket object for the transport's descriptor, to set or read several options with one object.
+
+    uvloop hands out a stand-in whose every ``setsockopt``/``getsockopt`` builds a new socket object first (a
+    ``getsockname`` each: four keepalive options cost eight system calls); this builds one. The descriptor stays
+    the transport's (detached on exit).
+    """
+    stand_in = transport.get_extra_info("socket")
+    sock = socket.socket(stand_in.family, stand_in.type, stand_in.proto, stand_in.fileno())
+    try:
+        yield sock
+    finally:
+        sock.detach()
 
 
 def set_accepted_options(sock: socket.socket, cfg: SocketConfig, keepalive: bool) -> None:
-    """Every accepted socket gets TCP_NODELAY; 15001/15006 also get keepalive (``socket.rs::Listener::accept``).
+    """15001/15006 accepted sockets get keepalive (``socket.rs::Listener::accept``); every accepted socket is where
+    running out of file descriptors is noticed (:class:`FdHeadroom`).
 
-    Also where running out of file descriptors is noticed (:class:`FdHeadroom`).
+    TCP_NODELAY, which upstream sets on every accepted socket, is not set here: uvloop (``TCPTransport.new``) and
+    asyncio (``_SelectorSocketTransport``) set it on every TCP transport they make, so doing it again was one
+    ``setsockopt`` (and, through uvloop's stand-in socket, one ``getsockname``) per connection for nothing
+    (``tests/test_sockets.py`` checks the option on accepted and connected sockets).
     """
     fd_headroom.check(sock.fileno())
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if keepalive:
         set_keepalive(sock, cfg)
 
@@ -138,19 +163,36 @@ class FdHeadroom:
     a descriptor it keeps in reserve, accepts every waiting connection and closes it at once (the clients see their
     connection closed), then takes the reserve back. No error reaches ztunnel and the loop does not spin, so without
     this the only sign would be clients failing. The kernel hands out the lowest free descriptor, so an accepted
-    socket numbered within :data:`HEADROOM` of the limit means all the ones below are taken: a check per accept that
-    costs one ``getrlimit`` (the limit can change at run time: ``prlimit``). Recovery is confirmed by counting the
+    socket numbered within :data:`HEADROOM` of the limit means all the ones below are taken: a check per accept,
+    against the limit read again for every new highest descriptor and at most a second ago otherwise (it can
+    change at run time: ``prlimit``). Recovery is confirmed by counting the
     open descriptors, at most once a second.
     """
 
     HEADROOM = 32  # descriptors; an eighth of the limit when that is less (a test's tiny limit)
+    # The limit is read again whenever an accepted descriptor is the highest since the last read (the only way
+    # towards exhaustion), and otherwise at most once a second (a limit changed at run time while the descriptor
+    # numbers stay put): a getrlimit per accept was one of the ~68 system calls per connection in the self-loop
+    # (strace -c), where the same few descriptor numbers come back on every connection.
+    LIMIT_TTL = 1.0
 
     def __init__(self) -> None:
         self.exhausted = False
         self._checked = 0.0
+        self._soft = -1  # the soft limit last read; -1: none yet
+        self._high = -1  # the highest descriptor checked since it was read
+        self._read_at = 0.0
+
+    def _limit(self, fd: int) -> int:
+        now = time.monotonic()
+        if fd > self._high or now - self._read_at >= self.LIMIT_TTL:
+            self._soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            self._high = fd
+            self._read_at = now
+        return self._soft
 
     def check(self, fd: int) -> None:
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        soft = self._limit(fd)
         if soft == resource.RLIM_INFINITY:
             return
         headroom = min(self.HEADROOM, soft // 8)
@@ -244,16 +286,26 @@ def sockaddr(ip: IPAddress, port: int) -> tuple[str, int]:
     return (str(ip), port)
 
 
-async def connect(sock: socket.socket, address: tuple[str, int]) -> None:
+async def connect(
+    sock: socket.socket,
+    address: tuple[str, int],
+    *,
+    timeout: float | None = None,
+    on_waiting: Callable[[Callable[[], None]], None] | None = None,
+) -> None:
     """Connect a non-blocking socket to a numeric ``address``, waiting for the handshake on the event loop.
 
     ``loop.sock_connect`` in uvloop resolves every address through ``getaddrinfo`` on its thread pool, even a
     numeric one: 96 us of CPU per connection against 48 us for this (connect, then wait for writability), measured
     on these machines, plus a thread wake-up each time. Raises OSError with the socket's error, as ``connect`` does.
+
+    ``timeout`` (seconds) ends the wait with TimeoutError: a timer on the loop rather than an ``asyncio.timeout``
+    scope, which on Python 3.11 costs a task lookup and two ``getpid`` system calls per connection. ``on_waiting``
+    is handed the function that ends the wait the same way at once (an interruption), once there is a wait.
     """
     err = sock.connect_ex(address)
     if err == errno.EINPROGRESS:
-        loop = asyncio.get_running_loop()
+        loop = running_loop()
         done = loop.create_future()
         fd = sock.fileno()
 
@@ -261,11 +313,20 @@ async def connect(sock: socket.socket, address: tuple[str, int]) -> None:
             if not done.done():
                 done.set_result(None)
 
+        def expire() -> None:
+            if not done.done():
+                done.set_exception(TimeoutError())
+
         loop.add_writer(fd, writable)
+        timer = loop.call_later(timeout, expire) if timeout is not None else None
+        if on_waiting is not None:
+            on_waiting(expire)
         try:
             await done
         finally:
             loop.remove_writer(fd)
+            if timer is not None:
+                timer.cancel()
         err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
     if err:
         raise OSError(err, os.strerror(err))
@@ -277,16 +338,22 @@ class SocketFactory:
     def __init__(self, cfg: SocketConfig) -> None:
         self.cfg = cfg
 
+    def loop_may_connect(self) -> bool:
+        """Whether the event loop may make and connect an outbound socket itself: no option is needed before the
+        connect (SO_MARK), and the sockets are not made specially (in-pod mode makes them in the pod's network
+        namespace, by overriding :meth:`tcp`)."""
+        return self.cfg.mark is None and type(self).tcp is SocketFactory.tcp
+
     def tcp(self, family: socket.AddressFamily, *, bind_source: bool = True) -> socket.socket:
         """An unconnected, non-blocking TCP socket for an outbound connection (marked, keepalive on).
 
         ``bind_source=False`` leaves it unbound, for a caller that binds a (spoofed) source address itself.
         """
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # Non-blocking from the start (no ioctl after), and no TCP_NODELAY: the transport made on the connected
+        # socket sets it (uvloop's TCPTransport and asyncio's both do), and every caller makes one.
+        sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
         try:
-            sock.setblocking(False)
             set_mark(sock, self.cfg.mark)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_keepalive(sock, self.cfg)
             src = self.cfg.source_ip
             if bind_source and src is not None and family_of(ipaddress.ip_address(src)) == family:

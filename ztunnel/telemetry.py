@@ -477,6 +477,9 @@ _state = _LogState()
 
 def setup_logging(spec: str = "info", json_format: bool = False, stream: TextIO | None = None) -> None:
     """Install one handler on the root logger in the chosen format and apply the ``RUST_LOG``-style filter."""
+    # Neither format writes the process id, and LogRecord asks os.getpid() for it on every record: a system call
+    # per access-log line (one per connection and side).
+    logging.logProcesses = False
     handler = NonBlockingHandler(stream or sys.stdout)
     handler.setFormatter(JsonFormatter() if json_format else PlainFormatter())
     root = logging.getLogger()

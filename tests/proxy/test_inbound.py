@@ -303,3 +303,17 @@ def test_parse_forwarded_host(value: str, want: str | None) -> None:
 def test_from_gateway(header: str | None, network: str, want: bool) -> None:
     headers = {} if header is None else {"x-forwarded-network": header}
     assert from_gateway(headers, network) is want
+
+
+def test_authorities_are_parsed_once() -> None:
+    """The same few authorities come back on every CONNECT: the parsed address is the same object each time (no
+    ipaddress parse per connection); a refused authority is still refused every time, naming itself."""
+    from ztunnel.proxy.inbound import parse_authority
+
+    ip, port = parse_authority("10.1.2.3:8080")
+    assert str(ip) == "10.1.2.3" and port == 8080
+    assert parse_authority("10.1.2.3:8080")[0] is ip
+    assert parse_authority("[::ffff:10.1.2.3]:8080") == (ip, 8080)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"10\.1\.2\.3:99999"):
+            parse_authority("10.1.2.3:99999")

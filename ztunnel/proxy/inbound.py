@@ -25,6 +25,7 @@ client's when the listener could be made transparent (IP_TRANSPARENT), so the wo
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import socket
@@ -59,11 +60,12 @@ from ztunnel.proxy.metrics import DerivedWorkload
 from ztunnel.proxy.proxy_protocol import app_tunnel_header
 from ztunnel.proxy.relay import PlainConnection
 from ztunnel.rbac import Connection
-from ztunnel.sockets import local_dst, peer_addr, set_accepted_options
+from ztunnel.sockets import set_accepted_options, transport_local, transport_peer
 from ztunnel.state import ProxyState
 from ztunnel.state.service import Service
 from ztunnel.state.upstream import ServiceDescription
 from ztunnel.state.workload import AppTunnelProtocol, IPAddress, NetworkAddress, NetworkMode, Workload
+from ztunnel.tasks import running_loop
 from ztunnel.telemetry import display, enter_span, span_id
 from ztunnel.telemetry import log as log_fields
 
@@ -102,6 +104,22 @@ def parse_authority(authority: str) -> tuple[IPAddress, int] | tuple[str, int]:
     """``ip:port`` / ``[v6]:port`` as an address, or ``host:port`` as a hostname; ValueError naming the authority
     otherwise.
 
+    Answers from a bounded cache (the same few authorities come back on every CONNECT; parsing one with
+    ``ipaddress`` was most of its cost, and the results are immutable): 4,096 authorities of at most 64 characters
+    (a bracketed IPv6 address with a port is at most 47), so a peer's long or many authorities hold no more than
+    ~1 MiB; a refused one is parsed each time.
+    """
+    if len(authority) <= _CACHED_AUTHORITY:
+        return _parse_authority_cached(authority)
+    return _parse_authority(authority)
+
+
+_CACHED_AUTHORITY = 64
+
+
+def _parse_authority(authority: str) -> tuple[IPAddress, int] | tuple[str, int]:
+    """:func:`parse_authority`, uncached.
+
     As strict as upstream (Rust's ``SocketAddr``, then ``http::uri::Authority``): ASCII only, a decimal port of at
     most 5 digits, an IPv6 address only in brackets and without a zone (``::1:80`` is ambiguous, ``fe80::1%eth0``
     is no pod's address), nothing but an IPv6 address in brackets.
@@ -130,6 +148,9 @@ def parse_authority(authority: str) -> tuple[IPAddress, int] | tuple[str, int]:
                 f"invalid authority {bad}: host {_quote(host)} is not an IP address or a hostname"
             ) from None
         return host, port
+
+
+_parse_authority_cached = functools.lru_cache(maxsize=4096)(_parse_authority)
 
 
 def _quote(text: str) -> str:
@@ -301,7 +322,7 @@ class Inbound(Listener):
             self.pi.balance.opened()
         conn = self._accepted()
         try:
-            await asyncio.get_running_loop().connect_accepted_socket(lambda: conn, sock)
+            await running_loop().connect_accepted_socket(lambda: conn, sock)
         except BaseException:
             conn.abort("the handed-over socket could not be served")  # counted closed, like any connection
             sock.close()
@@ -583,17 +604,17 @@ def _deny_message(reason: str) -> str:
 
 
 def peer_addr_of(conn: HboneTransport) -> tuple[IPAddress, int]:
-    sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
-    if sock is not None:
-        return peer_addr(sock)
+    transport = conn.transport
+    if transport is not None and transport.get_extra_info("socket") is not None:
+        return transport_peer(transport)  # kept by the transport: no getpeername per stream
     assert conn.peer is not None
     return ipaddress.ip_address(conn.peer[0]), conn.peer[1]
 
 
 def local_addr_of(conn: HboneTransport) -> tuple[IPAddress, int]:
-    sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
-    if sock is not None:
-        return local_dst(sock)
+    transport = conn.transport
+    if transport is not None and transport.get_extra_info("socket") is not None:
+        return transport_local(transport)
     assert conn.local is not None
     return ipaddress.ip_address(conn.local[0]), conn.local[1]
 

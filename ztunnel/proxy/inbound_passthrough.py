@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 
 from ztunnel.proxy.common import ProxyError, ResponseFlag, guess_inbound_service, services_of
 from ztunnel.proxy.connect import INTERRUPTED, connect_interruptible
@@ -21,7 +20,7 @@ from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.metrics import OpenSocket
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.rbac import Connection
-from ztunnel.sockets import local_dst, original_dst, peer_addr, set_accepted_options
+from ztunnel.sockets import original_dst, set_accepted_options, socket_of, transport_local, transport_peer
 from ztunnel.state.workload import IPAddress, NetworkAddress
 
 log = logging.getLogger("ztunnel.proxy.inbound_passthrough")
@@ -40,10 +39,11 @@ class InboundPassthrough(Listener):
     def _accepted(self, plain: PlainConnection) -> None:
         assert plain.transport is not None
         plain.on_lost = OpenSocket(self.pi.connections.traffic, "destination").closed
-        sock: socket.socket = plain.transport.get_extra_info("socket")
-        set_accepted_options(sock, self.pi.sockets.cfg, keepalive=True)
-        src = peer_addr(sock)
-        dst = original_dst(sock) or local_dst(sock)
+        transport = plain.transport
+        with socket_of(transport) as sock:  # one socket object for the keepalive options and SO_ORIGINAL_DST
+            set_accepted_options(sock, self.pi.sockets.cfg, keepalive=True)
+            dst = original_dst(sock) or transport_local(transport)
+        src = transport_peer(transport)
         self.pi.tasks.spawn(self._proxy(plain, src, dst), "inbound passthrough")
 
     async def _proxy(self, plain: PlainConnection, src: tuple[IPAddress, int], dst: tuple[IPAddress, int]) -> None:

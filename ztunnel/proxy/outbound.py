@@ -58,10 +58,11 @@ from ztunnel.proxy.pool import WorkloadKey
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.sockets import (
     family_of,
-    local_dst,
     original_dst,
-    peer_addr,
     set_accepted_options,
+    socket_of,
+    transport_local,
+    transport_peer,
 )
 from ztunnel.state import ProxyState
 from ztunnel.state.service import LoadBalancerMode, Service
@@ -341,10 +342,11 @@ class Outbound(Listener):
     def _accepted(self, plain: PlainConnection) -> None:
         assert plain.transport is not None
         plain.on_lost = OpenSocket(self.pi.connections.traffic, "source").closed
-        sock: socket.socket = plain.transport.get_extra_info("socket")
-        set_accepted_options(sock, self.pi.sockets.cfg, keepalive=True)
-        src = peer_addr(sock)
-        dst = original_dst(sock) or local_dst(sock)
+        transport = plain.transport
+        with socket_of(transport) as sock:  # one socket object for the keepalive options and SO_ORIGINAL_DST
+            set_accepted_options(sock, self.pi.sockets.cfg, keepalive=True)
+            dst = original_dst(sock) or transport_local(transport)
+        src = transport_peer(transport)
         self.pi.tasks.spawn(self.proxy_to(plain, src, dst), f"outbound {format_addr(*src)}")
 
     async def proxy_to(

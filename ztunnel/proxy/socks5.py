@@ -29,7 +29,7 @@ from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.metrics import OpenSocket
 from ztunnel.proxy.relay import PlainConnection
-from ztunnel.sockets import peer_addr, set_accepted_options
+from ztunnel.sockets import set_accepted_options, transport_peer
 from ztunnel.state.workload import IPAddress, canonical_ip
 
 log = logging.getLogger("ztunnel.proxy.socks5")
@@ -218,9 +218,8 @@ class _Handshake(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         self.socket = OpenSocket(self.owner.pi.connections.traffic, "source")
         transport = self.transport
-        sock = transport.get_extra_info("socket")
-        set_accepted_options(sock, self.owner.pi.sockets.cfg, keepalive=False)
-        self.src = peer_addr(sock)
+        set_accepted_options(transport.get_extra_info("socket"), self.owner.pi.sockets.cfg, keepalive=False)
+        self.src = transport_peer(transport)
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None and self.src is not None

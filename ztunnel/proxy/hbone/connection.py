@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import socket
 import ssl
 import time
 from collections.abc import Callable, Iterable
@@ -54,6 +53,7 @@ from ztunnel.proxy.hbone.core import (
 )
 from ztunnel.proxy.hbone.reason import CloseKind, CloseReason
 from ztunnel.proxy.hbone.stream import HboneStream
+from ztunnel.tasks import running_loop
 
 log = logging.getLogger("ztunnel.proxy.h2")
 
@@ -129,6 +129,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         self._cview = memoryview(self._cbuf)
         self._dispatching = False
         self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop  # the loop that made the connection (connection_made)
         self._ping_sent_at: float | None = None
         self.max_concurrent_streams: int | None = None
         self._turn = 0  # rotation point of _in_turn
@@ -140,12 +141,11 @@ class HboneTransport(asyncio.BufferedProtocol):
         self.transport = cast(asyncio.Transport, transport)
         transport = self.transport
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # No TCP_NODELAY here: asyncio and uvloop set it on every TCP transport they make (accepted or connected),
+        # and through the transport's socket it cost a getsockname and a setsockopt per connection.
         self.peer = transport.get_extra_info("peername")
         self.local = transport.get_extra_info("sockname")
-        loop = asyncio.get_running_loop()
+        loop = self._loop = running_loop()
         self._timer = loop.call_later(self._handshake_timeout, self._on_handshake_timeout)
         if self._ssl_context is not None:
             self.start_tls(self._ssl_context)
@@ -407,7 +407,7 @@ class HboneTransport(asyncio.BufferedProtocol):
 
         ``method`` exists for conformance tests of servers (a non-CONNECT request must get a 400)."""
         stream_id = self.core.send_connect(authority, headers, method)
-        stream = HboneStream(self, stream_id, asyncio.get_running_loop().create_future())
+        stream = HboneStream(self, stream_id, self._loop.create_future())
         self.streams[stream_id] = stream
         self.last_active = time.monotonic()
         self.flush()
@@ -447,7 +447,7 @@ class HboneTransport(asyncio.BufferedProtocol):
 
     def _schedule_ping(self) -> None:
         self._cancel_timer()
-        self._timer = asyncio.get_running_loop().call_later(PING_INTERVAL, self._on_ping_timer)
+        self._timer = self._loop.call_later(PING_INTERVAL, self._on_ping_timer)
 
     def _on_ping_timer(self) -> None:
         if self.closed:
@@ -497,7 +497,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.close()
             if self.transport.get_write_buffer_size():
-                asyncio.get_running_loop().call_later(CLOSE_TIMEOUT, self.transport.abort)
+                self._loop.call_later(CLOSE_TIMEOUT, self.transport.abort)
 
     def abort(self, reason: CloseReason | str) -> None:
         """Close at once (protocol error, timeout, failed verification). A ``str`` is ztunnel's own reason
