@@ -438,9 +438,19 @@ class Outbound(Listener):
         ready: Callable[[ProxyError | None], None] | None,
         traceparent: str,
     ) -> None:
-        pi = self.pi
         stream = await self._open_outer(src, req, traceparent)
         record.tunnel = stream.conn  # a CRL revoking the peer closes the pooled connection, and this with it
+        self._carry(plain, stream, record, ready)
+
+    def _carry(
+        self,
+        plain: PlainConnection,
+        stream: HboneStream,
+        record: ConnectionRecord,
+        ready: Callable[[ProxyError | None], None] | None,
+    ) -> None:
+        """The tunnel is up: count and register it, tell SOCKS5, and relay ``plain`` over ``stream``."""
+        pi = self.pi
         if plain.closed:
             stream.reset()
             raise ProxyError("client closed the connection before the tunnel was established")
@@ -499,17 +509,8 @@ class Outbound(Listener):
         except BaseException:
             inner.abort("inner CONNECT failed")
             raise
-        if plain.closed:
-            stream.reset()
-            raise ProxyError("client closed the connection before the tunnel was established")
         record.dst_identity = inner.peer_identity  # verified end to end, through the gateway
-        record.bytes_sent = lambda: stream.bytes_to_plain
-        record.bytes_recv = lambda: stream.bytes_from_plain
-        record.closer = lambda reason: stream.reset()
-        pi.connections.register(record)
-        if ready is not None:
-            ready(None)
-        stream.attach(plain, on_done=lambda s: pi.connections.release(record, ResponseFlag.NONE, s.error))
+        self._carry(plain, stream, record, ready)
 
     async def _tcp(
         self,
