@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from bench.topology import APP_PORT, ZTUNNEL_PROBLEM, LogIssue, scan_log
+from bench.topology import APP_PORT, LogIssue, stop_ztunnels
 from ztunnel.identity.ca import LocalCA
 from ztunnel.testing import TwoNodeMesh
 
@@ -157,20 +157,7 @@ class NamespacedTopology:
             self.loop.call(agent.wait_snapshot(self._snapshots[name], timeout=30), timeout=40)
 
     def stop_proxies(self) -> list[LogIssue]:
-        issues: list[LogIssue] = []
-        for proc in self.ztunnels.values():
-            proc.terminate()
-        for name, proc in self.ztunnels.items():
-            try:
-                code = proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = proc.wait()
-            if code != 0:
-                issues.append(LogIssue(name, str(self.logs[name]), 1, [f"exit status {code} after SIGTERM"]))
-            found = scan_log(name, self.logs[name], ZTUNNEL_PROBLEM)
-            if found is not None:
-                issues.append(found)
+        issues = stop_ztunnels(self.ztunnels, self.logs)
         self.ztunnels = {}
         return issues
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.topology import APP_PORT, PATH_PROXIES, ZTUNNEL_PROBLEM, LogIssue, scan_log
+from bench.topology import APP_PORT, PATH_PROXIES, LogIssue, stop_ztunnels
 
 UPSTREAM_ENV = "ZTUNNEL_UPSTREAM_BIN"
 OURS, UPSTREAM = "ours", "upstream"
@@ -232,20 +232,7 @@ class NodePairs:
         raise RuntimeError(f"{name} (node {node.node}) not ready within {timeout:g}s; log {self.logs[name]}:\n{tail}")
 
     def stop_proxies(self) -> list[LogIssue]:
-        issues: list[LogIssue] = []
-        for proc in self.procs.values():
-            proc.terminate()
-        for name, proc in self.procs.items():
-            try:
-                code = proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = proc.wait()
-            if code != 0:
-                issues.append(LogIssue(name, str(self.logs[name]), 1, [f"exit status {code} after SIGTERM"]))
-            found = scan_log(name, self.logs[name], ZTUNNEL_PROBLEM)
-            if found is not None:
-                issues.append(found)
+        issues = stop_ztunnels(self.procs, self.logs)
         self.procs = {}
         return issues
 

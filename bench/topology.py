@@ -9,6 +9,7 @@ neither, so both can import it.
 from __future__ import annotations
 
 import re
+import subprocess
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -67,6 +68,26 @@ def scan_log(process: str, path: Path, pattern: re.Pattern[str]) -> LogIssue | N
         if len(examples) >= 5:
             break
     return LogIssue(process, str(path), len(hits), examples)
+
+
+def stop_ztunnels(procs: Mapping[str, subprocess.Popen[bytes]], logs: Mapping[str, Path]) -> list[LogIssue]:
+    """SIGTERM every ztunnel, then wait (15 s each, then SIGKILL); what each did wrong: an exit status other than 0
+    after SIGTERM, warnings or errors in its log."""
+    issues: list[LogIssue] = []
+    for proc in procs.values():
+        proc.terminate()
+    for name, proc in procs.items():
+        try:
+            code = proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        if code != 0:
+            issues.append(LogIssue(name, str(logs[name]), 1, [f"exit status {code} after SIGTERM"]))
+        found = scan_log(name, logs[name], ZTUNNEL_PROBLEM)
+        if found is not None:
+            issues.append(found)
+    return issues
 
 
 class Topology(Protocol):
