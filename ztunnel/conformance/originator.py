@@ -32,6 +32,7 @@ from ztunnel.conformance.target import (
     UPSTREAM_SERVER_MAX_HEADER_LIST,
     UPSTREAM_SERVER_MAX_STREAMS,
     UPSTREAM_STREAM_WINDOW,
+    judge_setting,
     payload_of,
     uris,
 )
@@ -326,10 +327,7 @@ def origin_setting(setting: int, upstream: int, rfc_default: int | None) -> Chec
     async def run(ctx: OriginContext) -> Outcome:
         _, writer, wire, _ = await ctx.driven()
         close(writer)
-        sent = (wire.peer_settings or {}).get(setting)
-        value = sent if sent is not None else rfc_default
-        shown = f"{sent}" if sent is not None else f"not sent (RFC default {rfc_default or 'unlimited'})"
-        return judge(f"{name} {shown}", like_upstream=value == upstream, acceptable=True)
+        return judge_setting(wire, setting, name, upstream, rfc_default)
 
     return Check(
         id=f"origin.h2.settings.{name.lower()}",

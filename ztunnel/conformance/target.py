@@ -334,10 +334,7 @@ def setting_check(setting: int, upstream: int | None, rfc_default: int | None) -
     async def run(ctx: TargetContext) -> Outcome:
         wire = await ctx.connect()
         await ctx.barrier(wire)
-        sent = (wire.peer_settings or {}).get(setting)
-        value = sent if sent is not None else rfc_default
-        shown = f"{sent}" if sent is not None else f"not sent (RFC default {rfc_default or 'unlimited'})"
-        return judge(f"{name} {shown}", like_upstream=value == upstream, acceptable=True)
+        return judge_setting(wire, setting, name, upstream, rfc_default)
 
     return Check(
         id=f"h2.settings.{name.lower()}",
@@ -347,6 +344,15 @@ def setting_check(setting: int, upstream: int | None, rfc_default: int | None) -
         rule="PASS if the target's first SETTINGS carries upstream's value; DIFF otherwise (a tuning choice)",
         run=run,
     )
+
+
+def judge_setting(wire: Wire, setting: int, name: str, upstream: int | None, rfc_default: int | None) -> Outcome:
+    """A SETTINGS value the peer sent first (or the RFC's default when it sent none) against upstream's: PASS on
+    upstream's value, DIFF otherwise (a tuning choice, never a failure)."""
+    sent = (wire.peer_settings or {}).get(setting)
+    value = sent if sent is not None else rfc_default
+    shown = f"{sent}" if sent is not None else f"not sent (RFC default {rfc_default or 'unlimited'})"
+    return judge(f"{name} {shown}", like_upstream=value == upstream, acceptable=True)
 
 
 async def connection_window(ctx: TargetContext) -> Outcome:
