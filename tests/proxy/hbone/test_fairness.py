@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,9 +98,17 @@ async def test_concurrent_streams_on_one_connection_share_it(mesh: TwoNodeMesh) 
 
     tasks: list[Any] = [asyncio.ensure_future(stream(i)) for i in range(len(counts))]  # noqa: TID251
     try:
-        await asyncio.sleep(0.5)  # all tunnels up and streaming
+        # All tunnels up and streaming (on a loaded machine a fixed pause was not always enough), then a window
+        # of a fixed amount of traffic rather than of time: the shares, not the speed, are the subject.
+        async def until(done: Callable[[], bool], limit: float) -> None:
+            deadline = asyncio.get_running_loop().time() + limit
+            while not done() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+
+        await until(lambda: min(counts) > 0, 30)
+        await asyncio.sleep(0.3)
         start = list(counts)
-        await asyncio.sleep(2.0)
+        await until(lambda: sum(counts) - sum(start) >= 256 << 20, 30)
         moved = [c - s for c, s in zip(counts, start, strict=True)]
     finally:
         stop.set()
