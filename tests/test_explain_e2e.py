@@ -119,6 +119,10 @@ async def test_explain_predicts_the_real_connection(
     if case.verdict == "allow":
         assert outcome == "connected", outcome
         assert app.connections == 1
+        if case.outbound == "hbone":
+            # The destination_service node B logged is the one explain says its ztunnel guesses.
+            (b_line,) = await eventually(lambda: inbound_lines(caplog, m.node_b))
+            assert b_line.get("dst.service") == inbound["destination_service"], (b_line, inbound)
     else:
         assert outcome == "refused: SOCKS5 reply 2", outcome
         assert app.connections == 0  # the destination's ztunnel refused it before the app

@@ -38,7 +38,7 @@ from ztunnel.identity.spiffe import DEFAULT_TRUST_DOMAIN, SPIFFE_PREFIX
 # The local config's own field readers (private there): a dump is read by the same code, not a second parser.
 from ztunnel.localconfig import LocalConfigError, Reader, read_policy, read_service, read_workload
 from ztunnel.net import format_addr
-from ztunnel.proxy.common import HttpStatusError, ProxyError, ResponseFlag
+from ztunnel.proxy.common import HttpStatusError, ProxyError, ResponseFlag, guess_inbound_service, services_of
 from ztunnel.proxy.inbound import InboundRejected, hostname_target, upstream_port
 from ztunnel.proxy.outbound import OutboundProtocol, Request, build_request
 from ztunnel.rbac import Action, Authorization, ClauseTrace, Connection, Match, ServiceAccountMatch, compile_rules
@@ -457,7 +457,7 @@ def _inbound(dump: Dump, source: Workload, src_ip: IPAddress, outbound: Mapping[
         src_ip = _ip(outbound["next_hop"].rpartition(":")[0]) or src_ip
         dst_ip = local.workload_ips[0]
         try:
-            _svc, target_port = hostname_target(dump.state, host, port, local)
+            svc, target_port = hostname_target(dump.state, host, port, local)
         except InboundRejected as e:
             return _inbound_refused(local, e)
         steps.append(f"through a network gateway: service port {port} is the workload's port {target_port}")
@@ -474,7 +474,17 @@ def _inbound(dump: Dump, source: Workload, src_ip: IPAddress, outbound: Mapping[
         steps.append(f"application tunnel: the workload's port {mapped} instead of {port}")
         port = mapped
     conn = Connection(src_ip, 0, dst_ip, port, source.identity, dump.network)
-    return _authorize(dump, local, conn, steps, hbone=True)
+    report = _authorize(dump, local, conn, steps, hbone=True)
+    # destination_service as the destination's ztunnel reports it (upstream's guess_inbound_service): among the
+    # services that select the workload, the one the source named in its `forwarded` header's host.
+    named = outbound.get("service")
+    forwarded_host = named.split("/", 1)[1] if named else None
+    # A dump lists no workload's services (upstream's has none): those whose endpoints include it select it.
+    selecting = services_of(dump.state, local) or [s for s in dump.state.services if local.uid in s.endpoints]
+    candidates = [svc] if result == "double-hbone" else selecting
+    guessed = guess_inbound_service(candidates, forwarded_host, port, local)
+    report["destination_service"] = guessed.hostname if guessed is not None else None
+    return report
 
 
 def _inbound_plaintext(dump: Dump, src_ip: IPAddress, ip: IPAddress, port: int) -> dict[str, Any]:
@@ -666,6 +676,8 @@ def render_text(report: Mapping[str, Any]) -> str:
     else:
         local = inbound["local_workload"]
         add(f"  local workload    {local['name']} {','.join(local['ips'])} ({local['identity']})")
+        if inbound.get("destination_service"):
+            add(f"  service           {inbound['destination_service']} (reported as destination_service)")
         add(f"  listener          {inbound['listener']}")
         conn = inbound.get("connection")
         if conn:
