@@ -231,12 +231,14 @@ async def test_hbone_metrics_access_namespaced(tmp_path: Path) -> None:
             assert record["src.identity"] == "spiffe://cluster.local/ns/default/sa/client"
             assert record["dst.addr"] == f"{zt}:15008" and record["dst.hbone_addr"] == f"{zt}:15020"
             assert "error" not in record
-            refused = [
-                r
-                for r in c.access("node1")
-                if r["direction"] == "inbound"
-                and r.get("src.identity") == "spiffe://cluster.local/ns/default/sa/server"
-            ]
+            refused = await eventually(  # access lines go out through the log writer thread: not at once
+                lambda: [
+                    r
+                    for r in c.access("node1")
+                    if r["direction"] == "inbound"
+                    and r.get("src.identity") == "spiffe://cluster.local/ns/default/sa/server"
+                ]
+            )
             assert len(refused) == 1 and "policy rejection" in refused[0]["error"], refused
             outbound = [r for r in c.access("node1") if r["direction"] == "outbound"]
             assert [r["dst.hbone_addr"] for r in outbound] == [f"{zt}:15020"] * 2
