@@ -15,6 +15,7 @@ from pathlib import Path
 
 import h2.config
 import h2.connection
+import h2.exceptions
 import h2.utilities
 import hpack
 import hpack.hpack
@@ -432,3 +433,100 @@ def test_the_hbone_core_uses_the_direct_headers() -> None:
     from ztunnel.proxy.hbone.core import HboneConnection
 
     assert HboneConnection(True)._headers_direct is thirdparty.enabled(thirdparty.H2_HEADERS) is True
+
+
+_CLIENT_RESPONSE = h2.utilities.HeaderValidationFlags(
+    is_client=True, is_trailer=False, is_response_header=True, is_push_promise=False
+)
+# Responses next to the edges of h2's rules: each is either plainly valid or must be left to h2.
+_RESPONSES: list[list[tuple[bytes, bytes]]] = [
+    [(b":status", b"200")],
+    [(b":status", b"200"), (b"baggage", b"k8s.cluster.name=Kubernetes")],
+    [(b":status", b"503"), (b"x-empty", b""), (b"x-inner", b"a b\tc"), (b"x-sym", b"!#$%&'*+-.^_`|~")],
+    [(b":status", b"200"), (b"Baggage", b"x")],  # upper case name
+    [(b":status", b"200"), (b"bag:gage", b"x")],  # colon in a name
+    [(b":status", b"200"), (b"", b"x")],  # empty name
+    [(b":status", b"200"), (b"x", b" x")],  # leading space
+    [(b":status", b"200"), (b"x", b"x\t")],  # trailing tab
+    [(b":status", b"200"), (b"x", b"a\rb")],
+    [(b":status", b"200"), (b"x", b"a\nb")],
+    [(b":status", b"200"), (b"x", b"a\0b")],
+    [(b":status", b"200"), (b"x", "é".encode())],  # not ASCII: left to h2 (which accepts it)
+    [(b":status", b"200"), (b"te", b"trailers")],  # left to h2 (which accepts it)
+    [(b":status", b"200"), (b"te", b"gzip")],
+    [(b":status", b"200"), (b"connection", b"close")],
+    [(b":status", b"200"), (b"transfer-encoding", b"chunked")],
+    [(b":status", b"200"), (b":status", b"200")],  # duplicate pseudo
+    [(b"x", b"y"), (b":status", b"200")],  # pseudo after a regular field
+    [(b":status", b"200"), (b":method", b"CONNECT")],  # request-only pseudo
+    [(b":status", b"200"), (b":custom", b"1")],
+    [(b"x", b"y")],  # no :status
+    [],
+    [(b":status", b" 200")],
+]
+
+
+def _h2_accepts(headers: list[tuple[bytes, bytes]]) -> bool:
+    try:
+        list(h2.utilities.validate_headers(headers, _CLIENT_RESPONSE))
+    except h2.exceptions.ProtocolError:
+        return False
+    return True
+
+
+def test_plainly_valid_responses_are_valid_for_h2() -> None:
+    """The fast check may only say yes where h2 does (it answers "ask h2" otherwise): on a table of edge cases and
+    on random header lists drawn from the bytes that matter to h2's rules."""
+    import random
+
+    verdicts = [(thirdparty.plainly_valid_response(r), _h2_accepts(r)) for r in _RESPONSES]
+    assert all(h2_ok for fast, h2_ok in verdicts if fast)
+    assert [fast for fast, _ in verdicts][:3] == [True, True, True], "the usual responses take the fast path"
+    rng = random.Random(17)
+    alphabet = b"az09-_:A \t\r\n\0\x7f\xe9!~"
+    names = [b":status", b":method", b":custom", b"te", b"connection", b"baggage", b""]
+    taken = 0
+    for _ in range(5000):
+        headers = [(b":status", b"200")] if rng.random() < 0.8 else []
+        for _ in range(rng.randrange(4)):
+            name = rng.choice(names) if rng.random() < 0.3 else bytes(rng.choices(alphabet, k=rng.randrange(1, 5)))
+            value = bytes(rng.choices(alphabet, k=rng.randrange(0, 5)))
+            headers.append((name, value))
+        if thirdparty.plainly_valid_response(headers):
+            taken += 1
+            assert _h2_accepts(headers), headers
+    assert taken > 100, "the random lists must exercise the fast path too"
+
+
+def test_a_plain_response_skips_h2s_per_byte_validation_and_a_bad_one_is_still_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ztunnel.proxy.hbone.core import ConnectResponded, HboneConnection, HboneProtocolError
+
+    walked: list[object] = []
+    original = h2.utilities._reject_illegal_characters
+
+    def counting(headers: object, flags: object) -> object:
+        walked.append(headers)
+        return original(headers, flags)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(h2.utilities, "_reject_illegal_characters", counting)
+
+    def exchange(response: list[tuple[str, str]]) -> list[object]:
+        client, server = HboneConnection(True), HboneConnection(False)
+        client.initiate()
+        server.initiate()
+        server.receive_data(client.data_to_send())
+        client.receive_data(server.data_to_send())
+        server.receive_data(client.data_to_send())
+        sid = client.send_connect("10.0.0.2:8080", [("baggage", "k8s.cluster.name=Kubernetes")])
+        server.receive_data(client.data_to_send())
+        server.send_response(sid, 200, response)
+        return list(client.receive_data(server.data_to_send()))
+
+    events = exchange([("baggage", "k8s.cluster.name=Kubernetes")])
+    assert [type(e) for e in events] == [ConnectResponded]
+    assert walked == [], "h2 walked the bytes of a plainly valid response"
+    with pytest.raises(HboneProtocolError, match="Connection-specific header field"):
+        exchange([("connection", "close")])
+    assert walked, "a response the fast check cannot vouch for goes through h2's validation"
