@@ -187,8 +187,14 @@ async def test_stalled_stream_on_a_pooled_connection(tmp_path: Path) -> None:
             for k in pids:
                 grown = (peak[k].rss_kib - base[k].rss_kib) / 1024
                 assert grown < 64, f"node {k} grew by {grown:.0f} MiB holding a stalled stream"
-            # All of it on the one pooled connection: node B gained the stalled tunnel's app socket and nothing else.
-            assert peak["b"].fds == base["b"].fds + 1
+            # All of it on the one pooled connection: node B gained the stalled tunnel's app socket and nothing else
+            # (once the four transfers' app sockets, which node B closes just after their clients see the end, are
+            # gone: under load that takes a moment).
+            for _ in range(50):
+                if (fds := Sample.of(pids["b"]).fds) <= base["b"].fds + 1:
+                    break
+                await asyncio.sleep(0.1)
+            assert fds == base["b"].fds + 1, (fds, base["b"].fds)
 
             writer.write_eof()
             got = hashlib.sha256()
