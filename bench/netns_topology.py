@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from bench.topology import APP_PORT, LogIssue, stop_ztunnels
+from bench.topology import APP_PORT, LogIssue, stop_servers, stop_ztunnels
 from ztunnel.identity.ca import LocalCA
 from ztunnel.testing import TwoNodeMesh
 
@@ -198,15 +198,7 @@ class NamespacedTopology:
 
     def close(self) -> list[LogIssue]:
         issues = self.stop_proxies()
-        for s in self.servers:
-            s.terminate()
-            try:
-                s.wait(5)
-            except subprocess.TimeoutExpired:
-                s.kill()
-                s.wait()
-            if s.stdout is not None:
-                s.stdout.close()
+        stop_servers(self.servers)
         self.servers = []
         for agent in self.agents.values():
             self.loop.call(agent.stop())

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.topology import APP_PORT, PATH_PROXIES, LogIssue, stop_ztunnels
+from bench.topology import APP_PORT, PATH_PROXIES, LogIssue, stop_servers, stop_ztunnels
 
 UPSTREAM_ENV = "ZTUNNEL_UPSTREAM_BIN"
 OURS, UPSTREAM = "ours", "upstream"
@@ -268,15 +268,7 @@ class NodePairs:
 
     def close(self) -> list[LogIssue]:
         issues = self.stop_proxies()
-        for s in self.servers:
-            s.terminate()
-            try:
-                s.wait(5)
-            except subprocess.TimeoutExpired:
-                s.kill()
-                s.wait()
-            if s.stdout is not None:
-                s.stdout.close()
+        stop_servers(self.servers)
         self.servers = []
         self.topo.close()
         return issues

@@ -90,6 +90,19 @@ def stop_ztunnels(procs: Mapping[str, subprocess.Popen[bytes]], logs: Mapping[st
     return issues
 
 
+def stop_servers(servers: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM the app servers, then wait (5 s each, then SIGKILL); their stdout pipes closed."""
+    for s in servers:
+        s.terminate()
+        try:
+            s.wait(5)
+        except subprocess.TimeoutExpired:
+            s.kill()
+            s.wait()
+        if s.stdout is not None:
+            s.stdout.close()
+
+
 class Topology(Protocol):
     """What the runner needs from a topology: processes to start and stop, and a route per mode."""
 
