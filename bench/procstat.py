@@ -44,30 +44,28 @@ def cpu_seconds_stat(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident set size of ``pid`` in bytes (``VmRSS``); 0 if it is gone."""
+def _kib_field(path: str, name: bytes) -> int:
+    """The ``name`` line of a /proc file that counts in kB, in bytes; 0 if the file is gone or has no such line."""
     try:
-        with open(f"/proc/{pid}/status", "rb") as f:
+        with open(path, "rb") as f:
             for line in f:
-                if line.startswith(b"VmRSS:"):
+                if line.startswith(name):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` in bytes (``VmRSS``); 0 if it is gone."""
+    return _kib_field(f"/proc/{pid}/status", b"VmRSS:")
 
 
 def pss_bytes(pid: int) -> int:
     """Proportional set size of ``pid`` (``Pss`` from ``smaps_rollup``): its private pages plus its share of the
     pages it shares with other processes, so the PSS of processes that share code adds up to what they hold
     together (a sum of RSS counts shared pages once per process); 0 if it is gone."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
-            for line in f:
-                if line.startswith(b"Pss:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _kib_field(f"/proc/{pid}/smaps_rollup", b"Pss:")
 
 
 # -- a proxy's processes: the control process and its data-plane workers -------------------------------------------

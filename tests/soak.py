@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import os
 import statistics
 import sys
@@ -43,7 +42,7 @@ from tests.robustness import (
     socks5_tunnel,
     two_nodes,
 )
-from ztunnel.testing import TwoNodeMesh
+from ztunnel.testing import TwoNodeMesh, send_and_read_echo
 
 MiB = 1024 * 1024
 PLAIN_PORT = 9000
@@ -145,30 +144,11 @@ class Soak:
 
     async def bulk_once(self, block: bytes, mib: int) -> None:
         reader, writer = await self.tunnel()
-        sent, got = hashlib.sha256(), hashlib.sha256()
-        received = 0
-
-        async def send() -> None:
-            for i in range(mib):
-                chunk = block[i:] + block[:i]
-                sent.update(chunk)
-                writer.write(chunk)
-                await writer.drain()
-            writer.write_eof()
-
-        async def recv() -> None:
-            nonlocal received
-            while data := await reader.read(1 << 20):
-                got.update(data)
-                received += len(data)
-
-        try:
-            await asyncio.wait_for(asyncio.gather(send(), recv()), 120)
-        finally:
-            writer.close()
-        if received != mib * MiB or got.digest() != sent.digest():
+        echoed = await send_and_read_echo(reader, writer, block, mib, 120)
+        if echoed.received != mib * MiB or echoed.got_sha256 != echoed.sent_sha256:
             raise AssertionError(
-                f"bulk: {received} of {mib * MiB} bytes back, sha256 differs: {got.digest() != sent.digest()}"
+                f"bulk: {echoed.received} of {mib * MiB} bytes back, sha256 differs: "
+                f"{echoed.got_sha256 != echoed.sent_sha256}"
             )
 
     async def churn(self) -> None:

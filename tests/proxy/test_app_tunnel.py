@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from tests.proxy.test_inbound_e2e import CLIENT, ECHO_HOST, inbound_lines, tunnel
+from tests.proxy.test_inbound_e2e import CLIENT, ECHO_HOST, inbound_lines
 from ztunnel.identity.ca import LocalCA
 from ztunnel.proxy.proxy_protocol import TLV_PEER_IDENTITY, ProxyHeader, parse_v2
-from ztunnel.testing import EchoServer, TwoNodeMesh, eventually, hbone_dial, running_app
+from ztunnel.testing import EchoServer, TwoNodeMesh, eventually, hbone_dial, hbone_tunnel, running_app
 from ztunnel.testing.envoy import Envoy, find_envoy
 
 V4 = ipaddress.IPv4Address
@@ -88,7 +88,7 @@ async def send_through(
     cert = LocalCA.load_or_create(m.ca_dir, "cluster.local").issue(CLIENT, timedelta(hours=1))
     conn: Any = await hbone_dial((m.node_b, 15008), cert, local_addr=(m.node_a, 0))
     try:
-        status, reader, writer = await tunnel(conn, authority)
+        status, reader, writer = await hbone_tunnel(conn, authority)
         got = b""
         if status == 200:
             writer.write(payload)

@@ -5,14 +5,13 @@ test's interpreter but sockets."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
-from ztunnel.testing import EchoServer, TwoNodeMesh, ZtunnelProcess
+from ztunnel.testing import EchoServer, TwoNodeMesh, ZtunnelProcess, send_and_read_echo
 
 
 @pytest.fixture(scope="module")
@@ -56,28 +55,10 @@ async def echo(mesh: TwoNodeMesh) -> AsyncIterator[EchoServer]:
 async def test_64mib_each_way_intact(mesh: TwoNodeMesh, echo: EchoServer) -> None:
     total = 64 << 20
     reader, writer = await mesh.socks5()
-    sent, got = hashlib.sha256(), hashlib.sha256()
-    received = 0
-
-    async def send() -> None:
-        chunk = os.urandom(1 << 20)  # one random MiB, rotated so every MiB differs
-        for i in range(total >> 20):
-            data = chunk[i:] + chunk[:i]
-            sent.update(data)
-            writer.write(data)
-            await writer.drain()
-        writer.write_eof()
-
-    async def recv() -> None:
-        nonlocal received
-        while data := await reader.read(1 << 20):
-            got.update(data)
-            received += len(data)
-
-    await asyncio.wait_for(asyncio.gather(send(), recv()), 60)
-    writer.close()
-    assert received == total
-    assert got.hexdigest() == sent.hexdigest()
+    # One random MiB, rotated so every MiB differs.
+    echoed = await send_and_read_echo(reader, writer, os.urandom(1 << 20), total >> 20, 60)
+    assert echoed.received == total
+    assert echoed.got_sha256 == echoed.sent_sha256
     assert echo.received == total
     # It went through HBONE: node A's outbound and node B's inbound access lines count every byte both ways.
     port = writer.get_extra_info("sockname")[1]

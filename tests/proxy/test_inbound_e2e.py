@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -27,14 +26,13 @@ import pytest
 
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
-from ztunnel.proxy.relay import PlainConnection
 from ztunnel.testing import (
     EchoServer,
     TwoNodeMesh,
     access_fields,
     eventually,
     hbone_dial,
-    hbone_request,
+    hbone_tunnel,
     node_env,
     running_app,
     socks5_connect,
@@ -193,21 +191,6 @@ async def test_through_a_waypoint(tmp_path: Path, caplog: pytest.LogCaptureFixtu
 # -- hostname :authority with service-port mapping ------------------------------------------------------------------
 
 
-async def tunnel(conn: Any, authority: str) -> tuple[int, asyncio.StreamReader, asyncio.StreamWriter]:
-    """A CONNECT on a raw HBONE connection; on 200 its stream is relayed to a local socket pair, returned as
-    asyncio streams (the client side of the tunnel)."""
-    status, stream = await hbone_request(conn, authority)
-    ours, theirs = socket.socketpair()
-    if status == 200:
-        plain = PlainConnection()
-        await asyncio.get_running_loop().connect_accepted_socket(lambda: plain, sock=ours)
-        stream.attach(plain)  # type: ignore[attr-defined]
-    else:
-        ours.close()
-    reader, writer = await asyncio.open_connection(sock=theirs)
-    return status, reader, writer
-
-
 def numeric_port(text: str) -> str:
     """The service maps 80 -> 8080; the server's endpoint has no port map of its own."""
     old = f'"default/{ECHO_HOST}":\n      80: 8080\n'
@@ -232,14 +215,14 @@ async def test_svc_hostname(tmp_path: Path, caplog: pytest.LogCaptureFixture, ed
             cert = LocalCA.load_or_create(m.ca_dir, "cluster.local").issue(CLIENT, timedelta(hours=1))
             conn: Any = await hbone_dial((m.node_b, 15008), cert, local_addr=(m.node_a, 0))
             try:
-                status, reader, writer = await tunnel(conn, f"{ECHO_HOST}:80")
+                status, reader, writer = await hbone_tunnel(conn, f"{ECHO_HOST}:80")
                 assert status == 200
                 writer.write(b"by hostname")
                 writer.write_eof()
                 assert await asyncio.wait_for(reader.read(), 10) == b"by hostname"
                 writer.close()
                 # A port the service does not have: no target port (503).
-                status, _, writer = await tunnel(conn, f"{ECHO_HOST}:81")
+                status, _, writer = await hbone_tunnel(conn, f"{ECHO_HOST}:81")
                 writer.close()
                 assert status == 503
             finally:
@@ -274,7 +257,7 @@ async def test_app_tunnel_none(tmp_path: Path, caplog: pytest.LogCaptureFixture)
             cert = LocalCA.load_or_create(m.ca_dir, "cluster.local").issue(CLIENT, timedelta(hours=1))
             conn: Any = await hbone_dial((m.node_b, 15008), cert, local_addr=(m.node_a, 0))
             try:
-                status, reader, writer = await tunnel(conn, f"{m.server_app[0]}:{m.server_app[1]}")
+                status, reader, writer = await hbone_tunnel(conn, f"{m.server_app[0]}:{m.server_app[1]}")
                 assert status == 200
                 writer.write(b"through the tunnel")
                 writer.write_eof()

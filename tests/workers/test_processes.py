@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -35,6 +34,7 @@ from ztunnel.testing import (
     ZtunnelProcess,
     eventually,
     scrape,
+    send_and_read_echo,
     worker_pids,
 )
 
@@ -160,27 +160,8 @@ async def test_connections_land_on_both_workers(mesh: TwoNodeMesh, echo: EchoSer
 async def test_64mib_each_way_intact(mesh: TwoNodeMesh, echo: EchoServer) -> None:
     total_bytes = 64 << 20
     reader, writer = await mesh.socks5()
-    sent, got = hashlib.sha256(), hashlib.sha256()
-    received = 0
-
-    async def send() -> None:
-        chunk = os.urandom(1 << 20)
-        for i in range(total_bytes >> 20):
-            data = chunk[i:] + chunk[:i]
-            sent.update(data)
-            writer.write(data)
-            await writer.drain()
-        writer.write_eof()
-
-    async def recv() -> None:
-        nonlocal received
-        while data := await reader.read(1 << 20):
-            got.update(data)
-            received += len(data)
-
-    await asyncio.wait_for(asyncio.gather(send(), recv()), 120)
-    writer.close()
-    assert received == total_bytes and got.hexdigest() == sent.hexdigest()
+    echoed = await send_and_read_echo(reader, writer, os.urandom(1 << 20), total_bytes >> 20, 120)
+    assert echoed.received == total_bytes and echoed.got_sha256 == echoed.sent_sha256
     assert echo.received == total_bytes
 
 

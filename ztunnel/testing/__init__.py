@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import ipaddress
 import logging
 import os
@@ -435,6 +436,43 @@ async def hbone_request(
     assert stream.response is not None
     status, _ = await asyncio.wait_for(stream.response, 10)
     return status, stream
+
+
+class EchoedBytes(NamedTuple):
+    """What :func:`send_and_read_echo` saw: bytes that came back, and the sha256 of what went and what came."""
+
+    received: int
+    sent_sha256: str
+    got_sha256: str
+
+
+async def send_and_read_echo(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, block: bytes, count: int, timeout: float
+) -> EchoedBytes:
+    """Send ``count`` rotations of ``block`` (so every block differs) then FIN, while reading the echo to EOF; the
+    writer is closed after. A short or altered echo shows in the result, for the caller to assert on."""
+    sent, got = hashlib.sha256(), hashlib.sha256()
+    received = 0
+
+    async def send() -> None:
+        for i in range(count):
+            data = block[i:] + block[:i]
+            sent.update(data)
+            writer.write(data)
+            await writer.drain()
+        writer.write_eof()
+
+    async def recv() -> None:
+        nonlocal received
+        while data := await reader.read(1 << 20):
+            got.update(data)
+            received += len(data)
+
+    try:
+        await asyncio.wait_for(asyncio.gather(send(), recv()), timeout)
+    finally:
+        writer.close()
+    return EchoedBytes(received, sent.hexdigest(), got.hexdigest())
 
 
 async def hbone_tunnel(conn: object, authority: str) -> tuple[int, asyncio.StreamReader, asyncio.StreamWriter]:
