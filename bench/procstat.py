@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import resource
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -104,9 +104,8 @@ def cmdline(pid: int) -> list[str]:
     return [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]] if raw else []
 
 
-def _parents() -> dict[int, int]:
-    """{pid: parent pid} of every process now."""
-    out: dict[int, int] = {}
+def _all_stats() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, the fields of /proc/<pid>/stat after the command name) of every process now; gone ones are skipped."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -115,8 +114,12 @@ def _parents() -> dict[int, int]:
                 fields = f.read().rsplit(b")", 1)[1].split()
         except OSError:
             continue
-        out[int(entry.name)] = int(fields[1])
-    return out
+        yield int(entry.name), fields
+
+
+def _parents() -> dict[int, int]:
+    """{pid: parent pid} of every process now."""
+    return {pid: int(fields[1]) for pid, fields in _all_stats()}
 
 
 def descendants(pid: int, parents: Mapping[int, int] | None = None) -> list[int]:
@@ -251,15 +254,8 @@ def kernel_threads_cpu() -> float:
     Loopback traffic is partly processed there (softirqs deferred to ksoftirqd), so it is no sign of other load.
     """
     total = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[1] == b"2" or entry.name == "2":  # ppid 2 (kthreadd) or kthreadd itself
+    for pid, fields in _all_stats():
+        if fields[1] == b"2" or pid == 2:  # ppid 2 (kthreadd) or kthreadd itself
             total += int(fields[11]) + int(fields[12])
     return total / _CLK_TCK
 
