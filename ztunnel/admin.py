@@ -42,7 +42,7 @@ from ztunnel.state.workload import GatewayAddress, NamespacedHostname, Workload
 log = logging.getLogger("ztunnel.admin")
 T = TypeVar("T")
 # (kind, seconds, frequency, activate) -> each worker's ("worker-<i>", answer): the supervisor's ``profile``.
-ProfileWorkers = Callable[[str, int, int, bool | None], Awaitable[list[tuple[str, Any]]]]
+ProfileWorkers = Callable[[str, str, int, int, bool | None], Awaitable[list[tuple[str, Any]]]]
 
 INDEX = """<!doctype html><html><head><title>ztunnel admin</title></head><body>
 <h1>ztunnel admin</h1><ul>
@@ -407,8 +407,7 @@ class AdminServer:
         async def theirs() -> list[tuple[str, Any]]:
             if self.profile_workers is None or process == "control":
                 return []
-            got = await self.profile_workers(kind, seconds, frequency, activate)
-            return [(n, v) for n, v in got if process in ("all", n)]
+            return await self.profile_workers(process, kind, seconds, frequency, activate)
 
         mine, others = await asyncio.gather(own(), theirs())
         results = mine + others

@@ -590,17 +590,20 @@ class Supervisor:
 
     # -- gathering -------------------------------------------------------------------------------------------------
 
-    async def _query(self, what: str) -> list[tuple[WorkerHandle, Any]]:
-        live = self.live()
+    async def _ask(
+        self, handles: list[WorkerHandle], msg: p.Request, timeout: float, what: str
+    ) -> list[tuple[WorkerHandle, Any]]:
+        """``msg`` to each of ``handles`` at once, each answered by a Reply within ``timeout``: (handle, value) of
+        those that answered; one that did not is left out, with a warning unless its channel closed."""
 
         async def one(h: WorkerHandle) -> Any:
             assert h.channel is not None
-            reply = await asyncio.wait_for(h.channel.call(p.Query(what), (), p.Reply), ANSWER_TIMEOUT)
+            reply = await asyncio.wait_for(h.channel.call(msg, (), p.Reply), timeout)
             return reply.value
 
-        results = await asyncio.gather(*(one(h) for h in live), return_exceptions=True)
+        results = await asyncio.gather(*(one(h) for h in handles), return_exceptions=True)
         out = []
-        for h, r in zip(live, results, strict=True):
+        for h, r in zip(handles, results, strict=True):
             if isinstance(r, BaseException):
                 if not isinstance(r, ChannelClosed):
                     log.warning("worker %d did not answer %s: %s", h.index, what, r or type(r).__name__)
@@ -608,29 +611,20 @@ class Supervisor:
             out.append((h, r))
         return out
 
+    async def _query(self, what: str) -> list[tuple[WorkerHandle, Any]]:
+        return await self._ask(self.live(), p.Query(what), ANSWER_TIMEOUT, what)
+
     async def profile(
-        self, kind: str, seconds: int = 0, frequency: int = 0, activate: bool | None = None
+        self, process: str, kind: str, seconds: int = 0, frequency: int = 0, activate: bool | None = None
     ) -> list[tuple[str, Any]]:
-        """The admin's profiling request (``Profile``) answered by every live worker, as ``("worker-<i>", value)``
-        (value: the worker's answer, or a ``ProfileFailed``). A worker that does not answer within the profile's
-        seconds plus ``ANSWER_TIMEOUT`` is left out, with a warning."""
-        live = self.live()
-
-        async def one(h: WorkerHandle) -> Any:
-            assert h.channel is not None
-            msg = p.Profile(kind, seconds, frequency, activate)
-            reply = await asyncio.wait_for(h.channel.call(msg, (), p.Reply), seconds + ANSWER_TIMEOUT)
-            return reply.value
-
-        results = await asyncio.gather(*(one(h) for h in live), return_exceptions=True)
-        out: list[tuple[str, Any]] = []
-        for h, r in zip(live, results, strict=True):
-            if isinstance(r, BaseException):
-                if not isinstance(r, ChannelClosed):
-                    log.warning("worker %d did not answer the %s profile: %s", h.index, kind, r or type(r).__name__)
-                continue
-            out.append((f"worker-{h.index}", r))
-        return out
+        """The admin's profiling request (``Profile``) answered by the live workers ``process`` names (``all`` or
+        ``worker-<i>``; no other worker is asked, so none samples or switches heap profiling for nothing), as
+        ``("worker-<i>", value)`` (value: the worker's answer, or a ``ProfileFailed``). A worker that does not answer
+        within the profile's seconds plus ``ANSWER_TIMEOUT`` is left out, with a warning."""
+        handles = [h for h in self.live() if process in ("all", f"worker-{h.index}")]
+        msg = p.Profile(kind, seconds, frequency, activate)
+        answered = await self._ask(handles, msg, seconds + ANSWER_TIMEOUT, f"the {kind} profile")
+        return [(f"worker-{h.index}", value) for h, value in answered]
 
     async def connections(self) -> list[dict[str, Any]]:
         """The admin ``/connections`` rows of every worker, each with its ``worker`` index."""
