@@ -132,22 +132,27 @@ def find_upstream_from_service(
     ep, wl = picked
     svc_target = svc.ports.get(svc_port, 0)
     ep_target = ep.port.get(svc_port)
+    # The reason is a constant here and formatted only for a trace: this runs for every routed connection.
     if ep_target is not None:
-        target = ep_target  # the endpoint's own mapping wins
-        why = f"the endpoint's own port map: {svc_port} -> {target}"
+        target, why = ep_target, "the endpoint's own port map: {svc_port} -> {target}"  # the endpoint's map wins
     elif svc_target > 0:
-        target = svc_target
-        why = f"the service's ports: {svc_port} -> {target}"
+        target, why = svc_target, "the service's ports: {svc_port} -> {target}"
     elif wl.application_tunnel is not None and wl.application_tunnel.port is not None:
-        target = svc_port  # an app tunnel does not need the port on the service
-        why = f"the workload's application tunnel (port {wl.application_tunnel.port}) keeps port {svc_port}"
+        # An app tunnel does not need the port on the service.
+        target, why = svc_port, "the workload's application tunnel (port {tunnel}) keeps port {svc_port}"
     else:
         log.debug("found service %s, but port %d was unknown", svc.hostname, svc_port)
         if trace is not None:
             trace("port", f"service {svc.hostname} has no mapping for port {svc_port}", target_port=None)
         return None
     if trace is not None:
-        trace("port", why, service_port=svc_port, target_port=target)
+        tunnel = wl.application_tunnel.port if wl.application_tunnel is not None else None
+        trace(
+            "port",
+            why.format(svc_port=svc_port, target=target, tunnel=tunnel),
+            service_port=svc_port,
+            target_port=target,
+        )
     return (wl, target, svc)
 
 
