@@ -370,13 +370,16 @@ class HboneTransport(asyncio.BufferedProtocol):
         pending = self.core.data_to_send()
         if pending:
             self.ssl_object.write(pending)
-        # Also what write_frame left in the TLS buffer during a dispatch: a DATA frame a stream wrote from inside
-        # one must go now, not with the next control frame (on a quiet connection, the PING 10 s later).
+        # Also what write_frame left in the TLS buffer (DATA frames, written at the stream's flush or, inside a
+        # dispatch, at its end): they must go now, not with the next control frame (on a quiet connection, the
+        # PING 10 s later).
         if pending or self._out_bio.pending:
             self._flush_tls()
 
     def write_frame(self, frame: memoryview) -> None:
-        """Send queued control frames, then one DATA frame built in place by ``core.frame_data``."""
+        """Encrypt queued control frames, then one DATA frame built in place by ``core.frame_data``; they go out
+        with the next :meth:`flush` (one transport write for all the frames of a read, however small the peer's
+        frame size)."""
         sslobj = self.ssl_object
         if self.closed or sslobj is None:
             return
@@ -384,8 +387,6 @@ class HboneTransport(asyncio.BufferedProtocol):
         if pending:
             sslobj.write(pending)
         sslobj.write(frame)
-        if not self._dispatching:
-            self._flush_tls()
 
     def detach(self, stream_id: int) -> None:
         """The stream is finished: forget it (its further events are ignored); a draining connection may close."""

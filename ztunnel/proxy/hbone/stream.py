@@ -255,7 +255,7 @@ class HboneStream:
 
     def send_from_plain(self, plain: PlainConnection, offset: int, length: int) -> int:
         """Send ``plain``'s bytes ``[offset, offset+length)``: as many DATA frames as the windows allow, each framed
-        in place and written with the control frames queued before it. Returns the bytes taken."""
+        in place and written with the control frames queued before it, then flushed once. Returns the bytes taken."""
         core = self._core
         conn = self.conn
         if conn.closed:
@@ -270,6 +270,8 @@ class HboneStream:
             start = offset + sent - FRAME_HEADER_SIZE
             conn.write_frame(view[start : offset + sent + n])
             sent += n
+        if sent:
+            conn.flush()  # every frame of this read in one transport write (at the end of a dispatch, if in one)
         self.bytes_from_plain += sent
         return sent
 
