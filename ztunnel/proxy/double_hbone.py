@@ -45,6 +45,7 @@ from ztunnel.proxy.hbone.core import HboneConnection, Settings
 from ztunnel.proxy.hbone.reason import CloseKind, CloseReason
 from ztunnel.proxy.hbone.stream import HboneStream
 from ztunnel.proxy.relay import PlainConnection
+from ztunnel.tasks import running_loop
 
 log = logging.getLogger("ztunnel.proxy.outbound")
 
@@ -135,7 +136,7 @@ class StreamPipe:
             self.outer.eof_received()  # END_STREAM after the last byte
             # The gateway ends its side once the destination closed; one that does not would hold the outer stream
             # (and a slot on the pooled connection) forever: reset it after CLOSE_TIMEOUT, as a socket close would.
-            asyncio.get_running_loop().call_later(CLOSE_TIMEOUT, self._linger_expired)
+            running_loop().call_later(CLOSE_TIMEOUT, self._linger_expired)
 
     def _linger_expired(self) -> None:
         if not self.closed:
@@ -144,7 +145,7 @@ class StreamPipe:
     def _schedule_drain(self) -> None:
         if not self._drain_scheduled and not self.closed:
             self._drain_scheduled = True
-            asyncio.get_running_loop().call_soon(self._scheduled_drain)
+            running_loop().call_soon(self._scheduled_drain)
 
     def _scheduled_drain(self) -> None:
         self._drain_scheduled = False
@@ -199,7 +200,7 @@ class StreamPipe:
         self.closed = True
         self._queue.clear()
         self._queued = 0
-        loop = asyncio.get_running_loop()
+        loop = running_loop()
         loop.call_soon(self.outer.connection_lost, exc)
         loop.call_soon(self.inner.connection_lost, exc)
 
@@ -291,7 +292,7 @@ async def open_inner(
     """Run an HBONE client connection inside the established ``outer`` stream: the TLS handshake with
     ``ssl_context`` (the source's certificate), the server verified against ``expected``; returns the connection
     once verified. ``describe`` names the destination in errors. Raises ProxyError (flag as the pool's)."""
-    loop = asyncio.get_running_loop()
+    loop = running_loop()
     done: asyncio.Future[HboneTransport] = loop.create_future()
 
     def on_handshake(t: HboneTransport) -> None:

@@ -85,7 +85,7 @@ from ztunnel.state.workload import (
     NetworkAddress,
     Workload,
 )
-from ztunnel.telemetry import enter_span, span_id
+from ztunnel.telemetry import Display, enter_span
 from ztunnel.telemetry import log as log_fields
 
 log = logging.getLogger("ztunnel.proxy.outbound")
@@ -347,7 +347,7 @@ class Outbound(Listener):
             set_accepted_options(sock, self.pi.sockets.cfg, keepalive=True)
             dst = original_dst(sock) or transport_local(transport)
         src = transport_peer(transport)
-        self.pi.tasks.spawn(self.proxy_to(plain, src, dst), f"outbound {format_addr(*src)}")
+        self.pi.tasks.spawn(self.proxy_to(plain, src, dst), "outbound")  # a constant: no formatting per connection
 
     async def proxy_to(
         self,
@@ -361,7 +361,7 @@ class Outbound(Listener):
         record: ConnectionRecord | None = None
         # Upstream's outbound span (this task's log lines): the trace id of the traceparent sent over HBONE.
         traceparent = new_traceparent()
-        enter_span("outbound", {"id": span_id(traceparent)})
+        enter_span("outbound", {"id": Display(traceparent[3:35])})  # ours, so well-formed: no span_id parse
         if log.isEnabledFor(logging.DEBUG):
             log_fields(log, logging.DEBUG, "connection started", component="outbound")
         try:

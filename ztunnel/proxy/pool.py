@@ -40,6 +40,7 @@ from ztunnel.proxy.hbone.reason import CloseKind, CloseReason
 from ztunnel.proxy.hbone.stream import HboneStream
 from ztunnel.sockets import SocketFactory, connect, family_of, sockaddr
 from ztunnel.state.workload import IPAddress
+from ztunnel.tasks import running_loop
 
 log = logging.getLogger("ztunnel.proxy.pool")
 
@@ -127,7 +128,7 @@ class WorkloadHBONEPool:
                 # Someone is already dialling this key: share that handshake.
                 await asyncio.shield(pending)
                 continue
-            loop = asyncio.get_running_loop()
+            loop = running_loop()
             fut: asyncio.Future[HboneTransport] = loop.create_future()
             self._dialing[key] = fut
             try:
@@ -144,7 +145,7 @@ class WorkloadHBONEPool:
             return conn.open_stream(authority, headers)
 
     async def _dial(self, key: WorkloadKey) -> HboneTransport:
-        loop = asyncio.get_running_loop()
+        loop = running_loop()
         try:
             cert = await self._certs.fetch_certificate(key.src_id)
         except Exception as e:
@@ -155,8 +156,7 @@ class WorkloadHBONEPool:
         ip, port = key.dst
         sock = self._sockets.tcp(family_of(ip))
         try:
-            async with asyncio.timeout(CONNECTION_TIMEOUT):
-                await connect(sock, sockaddr(ip, port))
+            await connect(sock, sockaddr(ip, port), timeout=CONNECTION_TIMEOUT)  # a loop timer, no timeout scope
         except TimeoutError:
             sock.close()
             raise ProxyError(
@@ -236,7 +236,7 @@ class WorkloadHBONEPool:
     def _schedule_reaper(self) -> None:
         if self._reaper is None and not self.closed:
             interval = max(0.05, min(self.idle_timeout / 2, 30.0))
-            self._reaper = asyncio.get_running_loop().call_later(interval, self._reap)
+            self._reaper = running_loop().call_later(interval, self._reap)
 
     def _reap(self) -> None:
         self._reaper = None
