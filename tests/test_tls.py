@@ -734,8 +734,8 @@ def test_pqc_refusal_states_what_was_checked() -> None:
     classical groups, so the probe itself works, and the refusal names both OpenSSLs and the reason."""
     from cryptography.hazmat.backends.openssl import backend
 
-    from ztunnel.config import ConfigError, from_env, pqc_refusal
-    from ztunnel.tls import PQC_GROUP, key_exchange_group_supported
+    from ztunnel.config import PQC_GROUP, ConfigError, from_env, pqc_refusal
+    from ztunnel.tls import key_exchange_group_supported
 
     assert key_exchange_group_supported("X25519") and key_exchange_group_supported("P-256")
     assert not key_exchange_group_supported("no-such-group")

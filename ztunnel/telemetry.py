@@ -385,7 +385,7 @@ class NonBlockingHandler(logging.Handler):
             if line is None:
                 self._idle.set()
                 return
-            batch, size, stop = [line.encode("utf-8", "backslashreplace")], 0, False
+            batch, stop = [line.encode("utf-8", "backslashreplace")], False
             size = len(batch[0])
             while size < WRITE_BATCH:
                 try:

@@ -34,6 +34,7 @@ from typing import Final
 
 from cryptography import x509
 
+from ztunnel.config import PQC_GROUP
 from ztunnel.crl import CrlSet
 from ztunnel.errors import ZtunnelError
 from ztunnel.identity.certificate import WorkloadCertificate, identities_from_cert
@@ -333,7 +334,6 @@ def set_tls13_ciphersuites(ctx: ssl.SSLContext, suites: Sequence[str]) -> None:
 
 # SSL_CTRL_SET_GROUPS_LIST (ssl.h): what SSL_CTX_set1_groups_list() expands to.
 _SSL_CTRL_SET_GROUPS_LIST: Final = 92
-PQC_GROUP: Final = "X25519MLKEM768"
 
 
 def key_exchange_group_supported(group: str = PQC_GROUP) -> bool:
