@@ -353,29 +353,36 @@ class Decoder:
     def feed(self, data: bytes, fds: Sequence[int] = ()) -> list[tuple[Message, list[int]]]:
         """Take what one read returned; returns every message completed by it. Raises :class:`ChannelError`."""
         self._fds.extend(fds)
-        self._buf += data
+        buf = self._buf
+        buf += data
         out: list[tuple[Message, list[int]]] = []
-        while len(self._buf) >= HEADER.size:
-            length, nfds = HEADER.unpack_from(self._buf)
-            if length > MAX_FRAME or nfds > MAX_FDS:
-                raise ChannelError(f"bad frame header: {length} bytes, {nfds} fds (limits {MAX_FRAME}, {MAX_FDS})")
-            end = HEADER.size + length
-            if len(self._buf) < end:
-                break
-            if len(self._fds) < nfds:
-                raise ChannelError(f"a frame announced {nfds} fds but {len(self._fds)} arrived (ancillary data cut?)")
-            payload = bytes(self._buf[HEADER.size : end])
-            del self._buf[:end]
-            taken = [self._fds.popleft() for _ in range(nfds)]
-            try:
-                msg = pickle.loads(payload)
-            except Exception as e:
-                _close(taken)
-                raise ChannelError(f"a frame of {length} bytes does not decode: {type(e).__name__}: {e}") from None
-            if not isinstance(msg, Message):
-                _close(taken)
-                raise ChannelError(f"a frame decoded to {type(msg).__name__}, which is not a channel message")
-            out.append((msg, taken))
+        off = 0  # frames are decoded in place and the buffer shifted once, whatever their number
+        try:
+            while len(buf) - off >= HEADER.size:
+                length, nfds = HEADER.unpack_from(buf, off)
+                if length > MAX_FRAME or nfds > MAX_FDS:
+                    raise ChannelError(f"bad frame header: {length} bytes, {nfds} fds (limits {MAX_FRAME}, {MAX_FDS})")
+                end = off + HEADER.size + length
+                if len(buf) < end:
+                    break
+                if len(self._fds) < nfds:
+                    raise ChannelError(
+                        f"a frame announced {nfds} fds but {len(self._fds)} arrived (ancillary data cut?)"
+                    )
+                taken = [self._fds.popleft() for _ in range(nfds)]
+                start, off = off + HEADER.size, end  # the frame is consumed, whether it decodes or not
+                try:
+                    with memoryview(buf) as view, view[start:end] as payload:
+                        msg = pickle.loads(payload)
+                except Exception as e:
+                    _close(taken)
+                    raise ChannelError(f"a frame of {length} bytes does not decode: {type(e).__name__}: {e}") from None
+                if not isinstance(msg, Message):
+                    _close(taken)
+                    raise ChannelError(f"a frame decoded to {type(msg).__name__}, which is not a channel message")
+                out.append((msg, taken))
+        finally:
+            del buf[:off]
         return out
 
     @property
