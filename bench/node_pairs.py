@@ -65,7 +65,6 @@ PAIR_MODES: dict[str, PairMode] = {
 PAIR_PROXIES: dict[str, tuple[str, ...]] = {m: PATH_PROXIES[m] for m in PAIR_MODES}
 
 # "vs upstream": each of this ztunnel's modes and the upstream mode of the same shape.
-UPSTREAM_PARTNERS = {"hbone-ns": "upstream", "loop": "upstream-loop"}
 
 _PROXY_NAMES = {OURS: ("ztunnel-ns-a", "ztunnel-ns-b"), UPSTREAM: ("upstream-a", "upstream-b")}
 _CLIENT = {OURS: "ns-ours", UPSTREAM: "ns-upstream"}

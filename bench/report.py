@@ -9,9 +9,10 @@ slows down during a run then moves both sides of each ratio together.
 
 from __future__ import annotations
 
+import operator
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -218,20 +219,20 @@ def variants_of(rows: Iterable[Mapping[str, Any]]) -> list[str | None]:
     return list(seen) or [None]
 
 
+_COMPARE: Mapping[str, Callable[[float, float], bool]] = {
+    ">=": operator.ge,
+    "<=": operator.le,
+    ">": operator.gt,
+    "<": operator.lt,
+}
+
+
 def _target(name: str, row: Mapping[str, Any] | None, op: str, limit: float, goal: str) -> dict[str, Any]:
     """A target row from a summary or ratio row; "n/a" (met None) when the run has no such row."""
     if row is None:
         return {"target": name, "value": None, "spread": None, "limit": goal, "met": None}
     value = row["median"]
-    met = (
-        value >= limit
-        if op == ">="
-        else value <= limit
-        if op == "<="
-        else value > limit
-        if op == ">"
-        else value < limit
-    )
+    met = _COMPARE[op](value, limit)  # an unknown operator is a KeyError, not a silent "<"
     return {
         "target": name,
         "value": round(value, 3),
