@@ -847,7 +847,6 @@ def from_env(
         log_format=log_format,
         istio_version=env.get("ISTIO_META_ISTIO_VERSION", ""),
         proxy_args=" ".join(args),
-        warnings=_no_effect_warnings(e),
         verify_source_identity=e.flag("ZTUNNEL_VERIFY_SOURCE_IDENTITY", False),
         inline_data_plane=e.flag("ZTUNNEL_INLINE_DATA_PLANE", False),
     )
@@ -865,12 +864,6 @@ _WORKER_VARIABLES = (
     "ZTUNNEL_RESOURCE_CPU_LIMIT",
     "ZTUNNEL_RESOURCE_CPU_REQUEST",
 )
-
-
-def _no_effect_warnings(e: _Env) -> tuple[str, ...]:
-    """One message per setting given that has no effect yet (``Support.WARNS`` in :data:`SETTINGS`)."""
-    out: list[str] = []
-    return tuple(out)
 
 
 PQC_GROUP = "X25519MLKEM768"
@@ -937,8 +930,8 @@ class Setting:
     """One row of the tables in docs/configuration.md: its variables, the :class:`Config` fields they set, support.
 
     ``warns_when`` / ``refused_when`` map each variable (of this row) that warns or is refused to a value that makes
-    it do so when set alone; an implemented setting may have a part that warns or is refused (``PROXY_CONFIG``'s
-    ``concurrency``). ``tests/test_settings_registry.py`` checks this
+    it do so when set alone; an implemented setting may have a part that warns or is refused (none does today,
+    so ``from_env`` fills no ``Config.warnings``; a row that warns must add its message there). ``tests/test_settings_registry.py`` checks this
     registry against docs/configuration.md, against the code (implemented fields are read outside this module, the
     others are not) and against the behaviour (each warning and refusal happens).
     """
