@@ -931,9 +931,10 @@ class Setting:
 
     ``warns_when`` / ``refused_when`` map each variable (of this row) that warns or is refused to a value that makes
     it do so when set alone; an implemented setting may have a part that warns or is refused (none does today,
-    so ``from_env`` fills no ``Config.warnings``; a row that warns must add its message there). ``tests/test_settings_registry.py`` checks this
-    registry against docs/configuration.md, against the code (implemented fields are read outside this module, the
-    others are not) and against the behaviour (each warning and refusal happens).
+    so ``from_env`` fills no ``Config.warnings``; a row that warns must add its message there).
+    ``tests/test_settings_registry.py`` checks this registry against docs/configuration.md, against the code
+    (implemented fields are read outside this module, the others are not) and against the behaviour (each warning
+    and refusal happens).
     """
 
     names: tuple[str, ...]

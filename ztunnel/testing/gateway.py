@@ -26,6 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from ztunnel import tls
+from ztunnel.config import parse_socket_address
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.spiffe import Identity
@@ -176,12 +177,7 @@ async def _run(args: argparse.Namespace) -> list[GatewayStream]:
     ca = LocalCA.load_or_create(Path(args.ca_dir), args.trust_domain)
     identity = Identity.parse(args.identity)
     cert = ca.issue(identity, timedelta(hours=1))
-    routes = {}
-    for r in args.route:
-        hostname, _, addr = r.partition("=")
-        host, _, port = addr.rpartition(":")
-        routes[hostname] = (host, int(port))
-    gw = await TestGateway(cert, routes, args.trust_domain).start(args.listen_host, args.listen_port)
+    gw = await TestGateway(cert, args.routes, args.trust_domain).start(args.listen.host, args.listen.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -203,8 +199,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--route", action="append", default=[])
     p.add_argument("--record")
     args = p.parse_args(argv)
-    host, _, port = args.listen.rpartition(":")
-    args.listen_host, args.listen_port = host, int(port)
+    # Addresses parsed as the proxy's own settings are ([v6]:port too); a bad one names its flag, no traceback.
+    try:
+        args.listen = parse_socket_address(args.listen)
+    except ValueError as e:
+        p.error(f"--listen {args.listen!r}: {e}")
+    args.routes = {}
+    for r in args.route:
+        hostname, sep, addr = r.partition("=")
+        try:
+            if not sep or not hostname:
+                raise ValueError("expected HOSTNAME=IP:PORT")
+            target = parse_socket_address(addr)
+        except ValueError as e:
+            p.error(f"--route {r!r}: {e}")
+        args.routes[hostname] = (target.host, target.port)
     logging.basicConfig(level=logging.WARNING)
     try:
         import uvloop
