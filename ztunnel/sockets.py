@@ -21,8 +21,9 @@ import resource
 import socket
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ztunnel.config import Config, SocketAddress
 from ztunnel.errors import ZtunnelError
@@ -111,19 +112,23 @@ def _parsed_ip(host: str) -> IPAddress:
     return canonical_ip(ipaddress.ip_address(host))
 
 
+def parsed_address(address: Sequence[Any]) -> tuple[IPAddress, int]:
+    """``(ip, port)`` of an address as sockets and transports give it (``peername``, ``sockname``; IPv6 adds flow
+    and scope), the IP parsed once per distinct address and canonical (``::ffff:a.b.c.d`` as IPv4)."""
+    return _parsed_ip(address[0]), address[1]
+
+
 def transport_peer(transport: asyncio.BaseTransport) -> tuple[IPAddress, int]:
     """The peer of a connected transport, from the address the transport kept when it was made (uvloop and asyncio
     both read it once then): no ``getpeername`` per use, as through the transport's socket object (uvloop's
     stand-in socket pays a ``getsockname`` to build a socket object, then the call itself)."""
-    host, port = transport.get_extra_info("peername")[:2]
-    return _parsed_ip(host), port
+    return parsed_address(transport.get_extra_info("peername"))
 
 
 def transport_local(transport: asyncio.BaseTransport) -> tuple[IPAddress, int]:
     """The transport's own address: the original destination under TPROXY (no NAT happened), as
     :func:`transport_peer`."""
-    host, port = transport.get_extra_info("sockname")[:2]
-    return _parsed_ip(host), port
+    return parsed_address(transport.get_extra_info("sockname"))
 
 
 @contextlib.contextmanager

@@ -60,7 +60,7 @@ from ztunnel.proxy.metrics import DerivedWorkload
 from ztunnel.proxy.proxy_protocol import app_tunnel_header
 from ztunnel.proxy.relay import PlainConnection
 from ztunnel.rbac import Connection
-from ztunnel.sockets import set_accepted_options, transport_local, transport_peer
+from ztunnel.sockets import parsed_address, set_accepted_options
 from ztunnel.state import ProxyState
 from ztunnel.state.service import Service
 from ztunnel.state.upstream import ServiceDescription
@@ -604,19 +604,16 @@ def _deny_message(reason: str) -> str:
 
 
 def peer_addr_of(conn: HboneTransport) -> tuple[IPAddress, int]:
-    transport = conn.transport
-    if transport is not None and transport.get_extra_info("socket") is not None:
-        return transport_peer(transport)  # kept by the transport: no getpeername per stream
+    """The HBONE connection's peer, from the address its transport gave once at ``connection_made`` (a socket's, or
+    an outer stream's for a tunnel inside a tunnel): no transport lookups per stream."""
     assert conn.peer is not None
-    return ipaddress.ip_address(conn.peer[0]), conn.peer[1]
+    return parsed_address(conn.peer)
 
 
 def local_addr_of(conn: HboneTransport) -> tuple[IPAddress, int]:
-    transport = conn.transport
-    if transport is not None and transport.get_extra_info("socket") is not None:
-        return transport_local(transport)
+    """The address the peer dialled, as :func:`peer_addr_of`."""
     assert conn.local is not None
-    return ipaddress.ip_address(conn.local[0]), conn.local[1]
+    return parsed_address(conn.local)
 
 
 __all__ = ["Inbound", "InboundRejected", "build_inbound_request", "parse_authority", "upstream_port"]
