@@ -28,8 +28,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from ztunnel.errors import ZtunnelError
 from ztunnel.identity.spiffe import DEFAULT_TRUST_DOMAIN, Identity
 from ztunnel.net import format_addr
@@ -562,6 +560,10 @@ def _parse_proxy_config(data: Any, where: str, base: _ProxyConfig) -> _ProxyConf
 
 
 def _load_yaml(text: str, where: str) -> Any:
+    # Imported here: a data-plane worker has the Config class but never parses YAML, and PyYAML is ~0.8 MiB of
+    # Python objects that every worker would carry (docs/process-model.md, "What it costs").
+    import yaml
+
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
