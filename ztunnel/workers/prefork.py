@@ -73,6 +73,19 @@ def _warm_up_tls() -> None:
         log.debug("TLS warm-up before forking the workers failed: %s", e)
 
 
+def _decide_patches() -> None:
+    """Decide, once for the whole ztunnel, which of ``ztunnel/thirdparty.py``'s patches apply to the installed
+    libraries (and warn about those that do not), so that no worker looks the versions up itself: each lookup walks
+    every ``dist-info`` on ``sys.path`` through ``importlib.metadata``, whose objects and code a worker would then
+    write to (0.25 MiB of its idle PSS, measured). A required patch that cannot apply is left undecided: the
+    control process's start then fails with that error, as before."""
+    from ztunnel import thirdparty
+
+    for patch in thirdparty.PATCHES:
+        with contextlib.suppress(thirdparty.PatchError):
+            thirdparty.enabled(patch)
+
+
 class Preforked:
     """Worker processes forked at start, each waiting on its channel until the supervisor takes it."""
 
@@ -88,6 +101,7 @@ class Preforked:
         import ztunnel.workers.worker  # noqa: F401
 
         _warm_up_tls()
+        _decide_patches()
         out = cls()
         control = os.getpid()
         sys.stdout.flush()
