@@ -30,7 +30,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from ztunnel import profiling, telemetry, thirdparty
+from ztunnel import telemetry, thirdparty
 from ztunnel.config import Config, LogFormat, ProxyMode
 from ztunnel.dns import DnsProxy
 from ztunnel.dns.metrics import Metrics as DnsMetrics
@@ -410,6 +410,10 @@ class Worker:
 
     async def _profile(self, msg: p.Profile) -> None:
         """Answer the admin's profiling request; the sampling and the heap snapshot run on a thread."""
+        # Imported on the first request: profiling is rare, and its module (with tracemalloc) would otherwise be in
+        # every worker's memory from the start.
+        from ztunnel import profiling
+
         name = f"worker-{self.index}"
         value: Any
         try:
