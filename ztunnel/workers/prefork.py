@@ -1,10 +1,11 @@
 """The first workers, forked from the control process while it has one thread, so they share the pages of the
 modules they run with it.
 
-Why: a worker started as a new interpreter (``python -m ztunnel.workers``) imports the data plane afresh, ~31 MiB of
-private memory each (PSS, measured idle); two of them beside the control process made ztunnel 2.4x the size of one
-process. Forked from a process that imported them once, and with ``gc.freeze()`` so no collection writes to those
-objects' pages, a worker's own share is ~15 MiB (docs/architecture.md, "Processes", has the numbers).
+Why: a worker started as a new interpreter (``python -m ztunnel.workers``) imports the data plane afresh, ~36 MiB of
+PSS each (measured idle), nothing shared with the control process. Forked from a process that imported them once,
+and with ``gc.freeze()`` so no collection writes to those objects' pages, a worker's PSS is ~22 MiB with one worker
+and ~17 MiB each with two: most of what is left are the shared pages that either process writes after the fork
+(docs/process-model.md, "A worker's idle memory", has the numbers). So only what a worker uses is imported here.
 
 Why it is safe to fork here: ``ztunnel/__main__.py`` calls :meth:`Preforked.start` before the event loop, gRPC or
 any other thread exists (but the log writer's, ``ztunnel/telemetry.py``, whose queue and thread a forked child
