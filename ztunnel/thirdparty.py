@@ -1,14 +1,11 @@
 """Every change ztunnel makes to another library's internals, in one place.
 
-Two kinds:
-
-* **Process-wide patches**, installed by :func:`apply`: module attributes of hpack, hyperframe and aiohttp are
-  replaced. :func:`apply` runs once, at start (:meth:`ztunnel.app.App.start`, so the ``ztunnel`` command, the demo
-  and every in-process app), and in the test session (``tests/conftest.py``) and the micro-benchmarks
-  (``bench/micro/conftest.py``). Nothing is patched on import: importing any ztunnel module, the sans-IO HBONE core
-  included, leaves the other libraries as they are (``tests/test_thirdparty.py`` checks it in a fresh interpreter).
-* **Per-connection adjustments** of h2's internals (:func:`adjust_h2`), made by the HBONE core on each
-  ``H2Connection`` it creates; they touch that object only.
+**Process-wide patches**, installed by :func:`apply`: module attributes of hpack, hyperframe and aiohttp are
+replaced. :func:`apply` runs once, at start (:meth:`ztunnel.app.App.start`, so the ``ztunnel`` command, the demo and
+every in-process app), and in the test session (``tests/conftest.py``) and the micro-benchmarks
+(``bench/micro/conftest.py``). Nothing is patched on import: importing any ztunnel module, the sans-IO HBONE core
+included, leaves the other libraries as they are (``tests/test_thirdparty.py`` checks it in a fresh interpreter).
+The HBONE core no longer uses h2 (it once adjusted h2's internals per connection).
 
 Each patch names the versions of its library it was written for: from the lowest that ``pyproject.toml`` admits
 (read there) to the next major version, exclusive. Outside that range a patch is not applied and one warning says
@@ -21,7 +18,6 @@ Nothing of ztunnel is imported here: any layer may use this module.
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 import logging
 import re
@@ -168,21 +164,10 @@ _PROCESS_WIDE = (
     (AIOHTTP_HTTP11_ERRORS, _install_aiohttp_http11_errors),
 )
 
-# -- per-connection adjustments of h2 ---------------------------------------------------------------------------
-
-HPACK_PLAIN_LITERALS = Patch(
-    name="H2Connection.encoder.encode (plain literals, no Huffman coding)",
-    distribution="hpack",
-    lowest=(4, 0),  # checked in 4.0.0 and 4.2.0
-    below=(5,),
-    required=False,  # any HPACK decoder accepts both forms; speed only
-    without="header values are Huffman-coded (~15% of the receiving proxy's CPU per new connection)",
-)
-
-PATCHES = (*(p for p, _ in _PROCESS_WIDE), HPACK_PLAIN_LITERALS)
+PATCHES = tuple(p for p, _ in _PROCESS_WIDE)
 
 
-_decisions: dict[str, bool] = {}  # by patch name (a str hashes once; the HBONE core asks per connection)
+_decisions: dict[str, bool] = {}  # by patch name
 
 
 def enabled(patch: Patch) -> bool:
@@ -212,7 +197,7 @@ _applied = False
 
 
 def apply(*, http_servers: bool = True) -> None:
-    """Install the process-wide patches (idempotent) and decide the per-connection ones, so that every warning
+    """Install the process-wide patches (idempotent) and decide them all, so that every warning
     appears at start. Raises :class:`PatchError` (before installing anything) when a required one cannot apply.
 
     ``http_servers=False``: a process without HTTP servers (a data-plane worker) leaves aiohttp alone, and
@@ -228,15 +213,3 @@ def apply(*, http_servers: bool = True) -> None:
     for _, install in usable:
         install()
     _applied = True
-
-
-def adjust_h2(conn: Any) -> None:
-    """Adjust one new ``h2.connection.H2Connection``: its HPACK encoder sends header values as plain literals.
-    Touches ``conn`` only."""
-    if enabled(HPACK_PLAIN_LITERALS):
-        # Header values are sent as plain literals, not Huffman-coded: hpack's pure-Python Huffman decoder was the
-        # biggest single cost of a CONNECT on the receiving side (~15% of its CPU per new connection), while the
-        # bytes saved (~20% of a ~100-byte header block, once per stream) are irrelevant. Any HPACK decoder (Rust
-        # h2, Envoy) accepts both forms. The HBONE core encodes its own blocks without hpack; hpack's encoder only
-        # encodes the block that must carry a table size update after the peer resized its table.
-        conn.encoder.encode = functools.partial(conn.encoder.encode, huffman=False)

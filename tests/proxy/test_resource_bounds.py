@@ -246,7 +246,6 @@ def test_pooled_connection_forgets_old_streams() -> None:
             assert s.receive_data(h.serialize()) == []
             assert [type(f) for f in frames(s.data_to_send())] == [RstStreamFrame]
     assert len(c._closed) <= 1024 and len(s._closed) <= 1024
-    assert not c.h2.streams and not s.h2.streams  # h2 keeps no stream at all
 
 
 async def test_idle_pooled_connection_is_released_although_pings_flow(

@@ -285,7 +285,7 @@ def test_header_list_over_the_limit_after_decompression() -> None:
 def test_client_header_list_limit_is_in_force_before_the_settings_ack() -> None:
     c = HboneConnection(True)
     c.initiate()
-    assert c.h2.decoder.max_header_list_size == 16 * 1024
+    assert c._decoder.max_header_list_size == 16 * 1024
 
 
 def test_more_streams_than_max_concurrent_streams() -> None:

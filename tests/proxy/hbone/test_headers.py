@@ -212,6 +212,28 @@ def test_no_headers_frame_objects_and_hpack_tables_left_empty(monkeypatch: pytes
     assert not client._decoder.header_table.dynamic_entries
 
 
+def test_a_block_after_the_peer_resized_its_table_carries_the_update_in_plain_literals() -> None:
+    """After the peer's SETTINGS_HEADER_TABLE_SIZE the next block must start with a dynamic table size update
+    (RFC 7541 §4.2): hpack encodes that block, with plain (not Huffman-coded) values; the one after is ours again."""
+    client = HboneConnection(True)
+    client.initiate()
+    client.data_to_send()
+    client.receive_data(hyperframe.frame.SettingsFrame(0, settings={0x1: 1024}).serialize())
+    client.data_to_send()
+    sid = client.send_connect("10.0.0.2:8080", [("x-probe", "abcdefghijkl")])
+    first = client.data_to_send()[FRAME_HEADER_SIZE:]
+    assert first[0] & 0xE0 == 0x20, "a dynamic table size update first"
+    assert b"abcdefghijkl" in first
+    decoder = hpack.Decoder()
+    assert [(str(n), str(v)) for n, v in decoder.decode(first)][2] == ("x-probe", "abcdefghijkl")
+    assert sid == 1
+    client.send_connect("10.0.0.2:8080", [("x-probe", "abcdefghijkl")])
+    second = client.data_to_send()[FRAME_HEADER_SIZE:]
+    assert second == literal_header_block(
+        [(":method", "CONNECT"), (":authority", "10.0.0.2:8080"), ("x-probe", "abcdefghijkl")]
+    )
+
+
 def test_literal_block_decodes_to_the_headers() -> None:
     headers = [(":status", "200"), (":method", "CONNECT"), ("baggage", "x" * 300), ("z" * 130, ""), ("é", "ü")]
     decoded: list[tuple[str, str]] = [

@@ -1,19 +1,18 @@
-"""Sans-IO HBONE: HTTP/2 CONNECT tunnels, every stream kept here; h2 handles the connection-level frames only.
+"""Sans-IO HBONE: HTTP/2 CONNECT tunnels, the whole HTTP/2 connection kept here (HPACK from ``hpack``).
 
 Theory of operation
 -------------------
-Streams live here, not in h2: each open stream is a :class:`_Stream` in :attr:`HboneConnection.streams` with its
-RFC 9113 §5.1 state (open, half-closed local or remote: two flags; closed: dropped, and how it closed remembered
-in a bounded map so a late frame is answered as RFC 9113 and h2 answer it), its send window (from the peer's
+Streams live here: each open stream is a :class:`_Stream` in :attr:`HboneConnection.streams` with its RFC 9113
+§5.1 state (open, half-closed local or remote: two flags; closed: dropped, and how it closed remembered in a
+bounded map so a late frame is answered as RFC 9113 and h2 answer it), its send window (from the peer's
 SETTINGS_INITIAL_WINDOW_SIZE, moved by later SETTINGS per §6.9.2 and by WINDOW_UPDATE) and its receive window.
 Stream ids are checked here (a client's are odd and increasing; a server refuses a HEADERS at or below one already
-opened, §5.1.1). HEADERS (with CONTINUATION), DATA, RST_STREAM, PRIORITY, WINDOW_UPDATE on a stream, PUSH_PROMISE
-and GOAWAY are parsed and built here; h2's ``H2Connection`` receives only the client preface, SETTINGS (and their
-ACKs), PING and WINDOW_UPDATE on stream 0, answers them, and keeps the HPACK contexts those SETTINGS resize. It
-never sees a stream, so it creates no ``H2Stream`` objects and runs no per-stream state machine: a stream costs a
-dict entry and one small object. h2 is the oracle in tests: tests/proxy/hbone/test_stream_states.py feeds the same
-frame sequences to this core and to an ``H2Connection`` and compares events, answers and errors (the documented
-differences: stream errors where RFC 9113 and upstream's h2 crate give them and h2 ends the connection).
+opened, §5.1.1). Every frame type is parsed and built here, the connection-level ones too (the preface, SETTINGS
+and their ACKs, PING, WINDOW_UPDATE on stream 0, GOAWAY): a stream costs a dict entry and one small object, a
+connection no ``h2`` object at all. The python-h2 library is the oracle in tests:
+tests/proxy/hbone/test_stream_states.py feeds the same frame sequences to this core and to an ``H2Connection`` and
+compares events, answers and errors (the documented differences: stream errors where RFC 9113 and upstream's h2
+crate give them and h2 ends the connection).
 
 Header blocks: ours are HPACK literals without indexing (:func:`literal_header_block`), and such blocks are decoded
 without hpack (:func:`decode_plain_block`); any other block (a peer that indexes or Huffman-codes) goes to hpack's
@@ -35,9 +34,9 @@ updates are batched (sent once a quarter of the window is consumed) so small req
 extra frames.
 
 Sending: :meth:`frame_data` writes the 9-byte DATA header into the caller's buffer just before the payload, so
-header and payload reach TLS as one contiguous write (one record, no copy). The connection's send window is h2's
-(it applies WINDOW_UPDATEs on stream 0), the streams' are ours. Anything queued (h2's frames, then ours: HEADERS,
-RST_STREAM, END_STREAM, WINDOW_UPDATE, GOAWAY) is returned first, so frames leave in the order they were made.
+header and payload reach TLS as one contiguous write (one record, no copy). Anything queued (SETTINGS and PING
+ACKs, HEADERS, RST_STREAM, END_STREAM, WINDOW_UPDATE, GOAWAY) is returned first, so frames leave in the order they
+were made.
 """
 
 from __future__ import annotations
@@ -50,16 +49,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NoReturn
 
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
 import hpack
 import hpack.table
 
-from ztunnel import thirdparty
 from ztunnel.errors import ZtunnelError
 
 # Frame header: 24-bit length + 8-bit type packed as one u32, then flags (u8) and stream id (u32).
@@ -88,7 +80,19 @@ FLAG_PRIORITY = 0x20
 # has carried that many streams, for the connection's life (the soak found it). A late frame comes within a round
 # trip, long before another 1,024 streams close; Rust's h2 (upstream) keeps 50 reset streams for 1 s.
 _CLOSED_STREAMS_REMEMBERED = 1024
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _PREFACE_SIZE = 24
+# SETTINGS identifiers (RFC 9113 §6.5.2, RFC 8441 §3).
+_HEADER_TABLE_SIZE = 0x1
+_ENABLE_PUSH = 0x2
+_MAX_CONCURRENT_STREAMS = 0x3
+_INITIAL_WINDOW_SIZE = 0x4
+_MAX_FRAME_SIZE = 0x5
+_MAX_HEADER_LIST_SIZE = 0x6
+_ENABLE_CONNECT_PROTOCOL = 0x8
+_SETTING = struct.Struct(">HI")
+_DEFAULT_WINDOW = 65535  # RFC 9113 §6.9.2, for streams and the connection
+_DEFAULT_FRAME_SIZE = 16384
 # Receive buffers start small and grow with traffic: an idle connection should cost little memory, a busy one
 # should read a socket's worth (256 KiB) per call.
 _MIN_BUFFER = 16 * 1024
@@ -334,21 +338,15 @@ class HboneConnection:
         self.streams_opened = 0  # by the peer (server role)
         self.malformed_requests = 0  # refused with RST_STREAM PROTOCOL_ERROR (server role)
         self.premature_resets = 0
-        # h2 handles the connection-level frames only (the preface, SETTINGS and their ACKs, PING, WINDOW_UPDATE
-        # on stream 0) and keeps the HPACK contexts that SETTINGS change; it never sees a stream (no HEADERS,
-        # DATA, RST_STREAM, PRIORITY or stream WINDOW_UPDATE reaches it), so it stays in its IDLE state.
-        config = h2.config.H2Configuration(
-            client_side=client_side,
-            header_encoding=None,
-            validate_inbound_headers=False,
-            validate_outbound_headers=False,
-            normalize_outbound_headers=False,
-        )
-        self.h2 = h2.connection.H2Connection(config=config)
-        # The HPACK encoder Huffman-codes nothing on the rare block it encodes (thirdparty.HPACK_PLAIN_LITERALS).
-        thirdparty.adjust_h2(self.h2)
-        self._encoder = self.h2.encoder
-        self._decoder = self.h2.decoder
+        # HPACK contexts: the encoder only encodes the block that must carry a table size update after the peer
+        # resized its table (encode_header_block); the decoder takes every block that is not plain literals.
+        self._encoder = hpack.Encoder()
+        self._decoder = hpack.Decoder(max_header_list_size=self.settings.max_header_list_size)
+        # What the peer's SETTINGS said, RFC 9113's defaults until they come.
+        self._peer_initial_window = _DEFAULT_WINDOW
+        self._peer_max_frame = _DEFAULT_FRAME_SIZE
+        self._peer_max_streams = 2**31  # unlimited until the peer says otherwise
+        self._send_window = _DEFAULT_WINDOW  # the connection's, towards the peer
         self.streams: dict[int, _Stream] = {}
         # Allocated at the first receive: a connection still in its TLS handshake (or stalled there) costs none.
         self._buf = bytearray()
@@ -357,7 +355,7 @@ class HboneConnection:
         self._end = 0  # end of received bytes
         self._pinned = False
         self._need = 0  # bytes the incomplete frame at _start needs in the buffer
-        # A server first reads the 24-byte client preface ("PRI * HTTP/2.0..."), which h2 checks.
+        # A server first reads the 24-byte client preface ("PRI * HTTP/2.0...").
         self._preface = 0 if client_side else _PREFACE_SIZE
         self._ack_ready: set[int] = set()  # streams whose held window reached the update threshold
         # The DATA frame being received, if its header has been parsed: stream, payload and padding left.
@@ -376,27 +374,24 @@ class HboneConnection:
     # -- setup -----------------------------------------------------------------------------------------------
 
     def initiate(self) -> None:
-        """Queue the preface and SETTINGS, and raise the connection window from 64 KiB to its configured size."""
+        """Queue the preface (a client's) and SETTINGS, and raise the connection window from 64 KiB to its
+        configured size. Our settings are in force at once: every one of them only widens what we accept (frame
+        size, windows) or is enforced by us alone (header list size, concurrent streams), so nothing waits for the
+        peer's ACK."""
         s = self.settings
-        local: dict[h2.settings.SettingCodes, int] = {
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: s.stream_window,
-            h2.settings.SettingCodes.MAX_FRAME_SIZE: s.max_frame_size,
-            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: s.max_header_list_size,
-        }
+        local = [(_INITIAL_WINDOW_SIZE, s.stream_window), (_MAX_FRAME_SIZE, s.max_frame_size)]
         if self.client_side:
-            local[h2.settings.SettingCodes.ENABLE_PUSH] = 0
+            local.insert(0, (_ENABLE_PUSH, 0))
+            self._out += PREFACE
         if s.max_concurrent_streams is not None:
-            local[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = s.max_concurrent_streams
-        self.h2.local_settings = h2.settings.Settings(client=self.client_side, initial_values=local)
-        # h2 applies a header list limit to its HPACK decoder only on a SETTINGS ACK; ours is in force at once.
-        self._decoder.max_header_list_size = s.max_header_list_size
-        self.h2.initiate_connection()
-        # h2 only applies a bigger inbound frame limit once the peer ACKs our SETTINGS; frames it parses may
-        # legitimately be that large as soon as the peer has seen them, so accept them from the start.
-        self.h2.max_inbound_frame_size = s.max_frame_size
-        increment = s.connection_window - 65535
+            local.append((_MAX_CONCURRENT_STREAMS, s.max_concurrent_streams))
+        local.append((_MAX_HEADER_LIST_SIZE, s.max_header_list_size))
+        self._out += _HEADER.pack(6 * len(local) << 8 | SETTINGS, 0, 0)
+        for ident, value in local:
+            self._out += _SETTING.pack(ident, value)
+        increment = s.connection_window - _DEFAULT_WINDOW
         if increment > 0:
-            self.h2.increment_flow_control_window(increment)
+            self._out += _WINDOW_UPDATE.pack(4 << 8 | WINDOW_UPDATE, 0, 0, increment)
 
     # -- receiving -------------------------------------------------------------------------------------------
 
@@ -451,12 +446,14 @@ class HboneConnection:
         events: list[Event] = []
         view = self._view
         pos, end = self._start, self._end
-        h2_from = -1  # start of a run of complete connection-level frames to hand to h2 together
         self._need = 0
         if self._preface:
             if end - pos < self._preface:
                 return events
-            h2_from = pos
+            if view[pos : pos + _PREFACE_SIZE] != PREFACE:
+                # A connection error without GOAWAY: the peer does not speak HTTP/2 (RFC 9113 §3.4 allows it).
+                self.closed = True
+                raise HboneProtocolError("not an HTTP/2 connection preface", ErrorCode.PROTOCOL_ERROR)
             pos += self._preface
             self._preface = 0
         while pos < end:
@@ -479,9 +476,6 @@ class HboneConnection:
                     ErrorCode.PROTOCOL_ERROR,
                 )
             if ftype == DATA:
-                if h2_from >= 0:
-                    events.extend(self._to_h2(view[h2_from:pos]))
-                    h2_from = -1
                 pos = self._start_data(events, pos, length, flags, stream_id)
                 continue
             # The header block's size is checked on the frame header, before buffering a frame of up to 1 MiB.
@@ -494,18 +488,6 @@ class HboneConnection:
             if end - pos < FRAME_HEADER_SIZE + length:
                 self._need = FRAME_HEADER_SIZE + length
                 break
-            if ftype in (SETTINGS, PING) or (ftype == WINDOW_UPDATE and stream_id == 0):
-                # Connection-level frames go to h2, in runs (one receive_data call for the whole run).
-                if not flags & FLAG_ACK and ftype != WINDOW_UPDATE:
-                    self._spend("PING frames" if ftype == PING else "SETTINGS frames")
-                if h2_from < 0:
-                    h2_from = pos
-                pos += FRAME_HEADER_SIZE + length
-                continue
-            if h2_from >= 0:
-                # h2's frames first: a SETTINGS before this frame may change what it means (windows, tables).
-                events.extend(self._to_h2(view[h2_from:pos]))
-                h2_from = -1
             start = pos + FRAME_HEADER_SIZE
             pos = start + length
             if ftype == HEADERS:
@@ -516,6 +498,10 @@ class HboneConnection:
                 self._rst_stream_frame(events, stream_id, view[start:pos])
             elif ftype == WINDOW_UPDATE:
                 self._window_update_frame(events, stream_id, view[start:pos])
+            elif ftype == SETTINGS:
+                self._settings_frame(events, stream_id, flags, view[start:pos])
+            elif ftype == PING:
+                self._ping_frame(events, stream_id, flags, view[start:pos])
             elif ftype == PRIORITY:
                 self._priority_frame(stream_id, view[start:pos])
             elif ftype == GOAWAY:
@@ -526,8 +512,6 @@ class HboneConnection:
             else:
                 # Unknown types (and ALTSVC, ORIGIN, ...) are ignored (RFC 9113 §5.5), but cost us the parse.
                 self._spend("frames of unknown type")
-        if h2_from >= 0:
-            events.extend(self._to_h2(view[h2_from:pos]))
         self._start = pos
         self._send_window_updates()
         return events
@@ -593,6 +577,14 @@ class HboneConnection:
         if len(payload) != 4:
             self._fail(f"WINDOW_UPDATE of {len(payload)} bytes (4)", ErrorCode.FRAME_SIZE_ERROR)
         increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
+        if not stream_id:
+            if not increment:
+                self._fail("WINDOW_UPDATE of 0 on the connection", ErrorCode.PROTOCOL_ERROR)
+            self._send_window += increment
+            if self._send_window > _MAX_WINDOW:
+                self._fail("WINDOW_UPDATE past 2^31-1 on the connection", ErrorCode.FLOW_CONTROL_ERROR)
+            events.append(WindowOpened(0))
+            return
         st = self.streams.get(stream_id)
         if st is None:
             if self._idle(stream_id):
@@ -720,7 +712,6 @@ class HboneConnection:
         if stream_id & 1 == 0:
             self._fail(f"HEADERS on even stream {stream_id} from a client", ErrorCode.PROTOCOL_ERROR)
         self._highest_inbound = stream_id
-        self.h2.highest_inbound_stream_id = stream_id  # in a GOAWAY h2 sends for a connection-level error
         if self.goaway_sent is not None and stream_id > self.goaway_sent:
             self._refuse(stream_id, ErrorCode.REFUSED_STREAM)  # after our GOAWAY: not processed
             return
@@ -740,7 +731,7 @@ class HboneConnection:
             events.append(RequestRefused(stream_id, problem))
             return
         fields = _decode_headers(headers)
-        st = _Stream(self.settings.stream_window, self.h2.remote_settings.initial_window_size)
+        st = _Stream(self.settings.stream_window, self._peer_initial_window)
         self.streams[stream_id] = st
         self.streams_opened += 1
         events.append(ConnectRequested(stream_id, fields.pop(":method", ""), fields.pop(":authority", ""), fields))
@@ -770,28 +761,56 @@ class HboneConnection:
             self._remote_closed(stream_id)
             events.append(StreamEnded(stream_id))
 
-    def _to_h2(self, frames: bytes | memoryview) -> list[Event]:
-        try:
-            h2_events = self.h2.receive_data(frames)
-        except h2.exceptions.ProtocolError as e:
-            self._h2_failed(e)
-        out: list[Event] = []
-        for ev in h2_events:
-            if isinstance(ev, h2.events.WindowUpdated):
-                out.append(WindowOpened(0))
-            elif isinstance(ev, h2.events.PingAckReceived):
-                out.append(PingAcked(bytes(ev.ping_data or b"")))
-            elif isinstance(ev, h2.events.RemoteSettingsChanged):
-                changed = ev.changed_settings
-                mcs = changed.get(h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS)
-                out.append(RemoteSettingsChanged(mcs.new_value if mcs is not None else None))
-                window = changed.get(h2.settings.SettingCodes.INITIAL_WINDOW_SIZE)
-                if window is not None:
-                    old = 65535 if window.original_value is None else window.original_value
-                    self._initial_window_changed(window.new_value - old)
-                    out.append(WindowOpened(0))
-            # PingReceived (h2 queued the ACK), SettingsAcknowledged: nothing for a tunnel.
-        return out
+    def _settings_frame(self, events: list[Event], stream_id: int, flags: int, payload: memoryview) -> None:
+        """The peer's SETTINGS (RFC 9113 §6.5): all values checked first, then applied, then acknowledged. An ACK
+        of ours needs nothing: our settings were in force from the start (:meth:`initiate`)."""
+        if stream_id:
+            self._fail(f"SETTINGS on stream {stream_id}", ErrorCode.PROTOCOL_ERROR)
+        if flags & FLAG_ACK:
+            if payload:
+                self._fail("SETTINGS ACK with a payload", ErrorCode.FRAME_SIZE_ERROR)
+            return
+        if len(payload) % 6:
+            self._fail(f"SETTINGS of {len(payload)} bytes (a multiple of 6)", ErrorCode.FRAME_SIZE_ERROR)
+        self._spend("SETTINGS frames")
+        values = [_SETTING.unpack_from(payload, at) for at in range(0, len(payload), 6)]
+        for ident, value in values:
+            if ident in (_ENABLE_PUSH, _ENABLE_CONNECT_PROTOCOL) and value > 1:
+                self._fail(f"SETTINGS {ident:#x} of {value} (0 or 1)", ErrorCode.PROTOCOL_ERROR)
+            elif ident == _INITIAL_WINDOW_SIZE and value > _MAX_WINDOW:
+                self._fail(f"SETTINGS_INITIAL_WINDOW_SIZE of {value}", ErrorCode.FLOW_CONTROL_ERROR)
+            elif ident == _MAX_FRAME_SIZE and not _DEFAULT_FRAME_SIZE <= value <= 2**24 - 1:
+                self._fail(f"SETTINGS_MAX_FRAME_SIZE of {value}", ErrorCode.PROTOCOL_ERROR)
+        max_streams: int | None = None
+        window_changed = False
+        for ident, value in values:
+            if ident == _INITIAL_WINDOW_SIZE:
+                self._initial_window_changed(value - self._peer_initial_window)
+                self._peer_initial_window = value
+                window_changed = True
+            elif ident == _MAX_FRAME_SIZE:
+                self._peer_max_frame = value
+            elif ident == _MAX_CONCURRENT_STREAMS:
+                self._peer_max_streams = max_streams = value
+            elif ident == _HEADER_TABLE_SIZE:
+                self._encoder.header_table_size = value  # the next block we encode starts with a size update
+            # SETTINGS_MAX_HEADER_LIST_SIZE is advisory (our blocks are a few hundred bytes); others are unknown.
+        self._out += _HEADER.pack(SETTINGS, FLAG_ACK, 0)
+        events.append(RemoteSettingsChanged(max_streams))
+        if window_changed:
+            events.append(WindowOpened(0))
+
+    def _ping_frame(self, events: list[Event], stream_id: int, flags: int, payload: memoryview) -> None:
+        if stream_id:
+            self._fail(f"PING on stream {stream_id}", ErrorCode.PROTOCOL_ERROR)
+        if len(payload) != 8:
+            self._fail(f"PING of {len(payload)} bytes (8)", ErrorCode.FRAME_SIZE_ERROR)
+        if flags & FLAG_ACK:
+            events.append(PingAcked(bytes(payload)))
+            return
+        self._spend("PING frames")
+        self._out += _HEADER.pack(8 << 8 | PING, FLAG_ACK, 0)
+        self._out += payload
 
     def _initial_window_changed(self, delta: int) -> None:
         """RFC 9113 §6.9.2: a new SETTINGS_INITIAL_WINDOW_SIZE moves every open stream's send window by the
@@ -800,11 +819,6 @@ class HboneConnection:
             st.send_window += delta
             if st.send_window > _MAX_WINDOW:
                 self._fail("SETTINGS_INITIAL_WINDOW_SIZE overflows a stream's window", ErrorCode.FLOW_CONTROL_ERROR)
-
-    def _h2_failed(self, e: h2.exceptions.ProtocolError) -> NoReturn:
-        self.closed = True
-        code = getattr(e, "error_code", ErrorCode.PROTOCOL_ERROR)
-        raise HboneProtocolError(f"HTTP/2 protocol error ({type(e).__name__}): {e}", ErrorCode(int(code))) from None
 
     def _premature_reset(self) -> None:
         self.premature_resets += 1
@@ -962,7 +976,7 @@ class HboneConnection:
         :class:`StreamLimitError` when no stream can be opened now."""
         if self.closed:
             raise StreamLimitError("the HTTP/2 connection has failed")
-        limit = self.h2.remote_settings.max_concurrent_streams
+        limit = self._peer_max_streams
         if len(self.streams) >= limit:
             raise StreamLimitError(f"the peer allows {limit} concurrent streams, {len(self.streams)} are open")
         stream_id = self._next_stream_id
@@ -974,7 +988,7 @@ class HboneConnection:
             block += [(":scheme", "https"), (":path", "/")]
         block += headers
         self._send_headers(stream_id, block, 0)
-        self.streams[stream_id] = _Stream(self.settings.stream_window, self.h2.remote_settings.initial_window_size)
+        self.streams[stream_id] = _Stream(self.settings.stream_window, self._peer_initial_window)
         return stream_id
 
     def send_response(
@@ -994,7 +1008,7 @@ class HboneConnection:
     def _send_headers(self, stream_id: int, headers: list[tuple[str, str]], flags: int) -> None:
         """A header block as HEADERS (+ CONTINUATIONs past the peer's frame size) queued for the wire."""
         block = encode_header_block(self._encoder, headers)
-        size = self.h2.max_outbound_frame_size
+        size = self._peer_max_frame
         out = self._out
         if len(block) <= size:
             out += _HEADER.pack(len(block) << 8 | HEADERS, flags | FLAG_END_HEADERS, stream_id)
@@ -1013,7 +1027,7 @@ class HboneConnection:
         st = self.streams.get(stream_id)
         if st is None or st.local_closed:
             return 0
-        return min(st.send_window, self.h2.outbound_flow_control_window, self.h2.max_outbound_frame_size)
+        return min(st.send_window, self._send_window, self._peer_max_frame)
 
     def frame_data(self, stream_id: int, buf: bytearray | memoryview, offset: int, length: int) -> int:
         """Frame ``buf[offset:offset+length]`` as DATA, writing the header into ``buf[offset-9:offset]``.
@@ -1024,12 +1038,11 @@ class HboneConnection:
         st = self.streams.get(stream_id)
         if st is None or st.local_closed:
             return 0
-        h = self.h2
-        n = min(length, st.send_window, h.outbound_flow_control_window, h.max_outbound_frame_size)
+        n = min(length, st.send_window, self._send_window, self._peer_max_frame)
         if n <= 0:
             return 0
         _HEADER.pack_into(buf, offset - FRAME_HEADER_SIZE, n << 8 | DATA, 0, stream_id)
-        h.outbound_flow_control_window -= n  # the connection window, which h2 raises on WINDOW_UPDATE
+        self._send_window -= n
         st.send_window -= n
         return n
 
@@ -1059,7 +1072,11 @@ class HboneConnection:
                 self._closed_as(stream_id, _ENDED)
 
     def ping(self, data: bytes = b"ztunnel!") -> None:
-        self.h2.ping(data)
+        """Queue a PING with ``data`` (8 bytes); its ACK arrives as :class:`PingAcked`."""
+        if len(data) != 8:
+            raise ValueError(f"PING data is 8 bytes, not {len(data)}")
+        self._out += _HEADER.pack(8 << 8 | PING, 0, 0)
+        self._out += data
 
     def goaway(self, code: ErrorCode = ErrorCode.NO_ERROR) -> None:
         """Tell the peer no new streams will be accepted; open ones may finish (graceful drain)."""
@@ -1074,14 +1091,14 @@ class HboneConnection:
         return len(self.streams)
 
     def data_to_send(self) -> bytes:
-        """Everything queued for the wire before the next DATA frame: h2's frames (the preface, SETTINGS, their
-        ACKs, PINGs, the connection window's first update), then ours in the order they were made."""
+        """Everything queued for the wire before the next DATA frame, in the order it was made (the preface and
+        SETTINGS first), then batched window updates."""
         self._send_window_updates()
-        pending = self.h2.data_to_send()
-        if self._out:
-            pending += self._out
-            self._out = bytearray()
-        return pending
+        out = self._out
+        if not out:
+            return b""
+        self._out = bytearray()
+        return bytes(out)
 
 
 def _frame_name(ftype: int) -> str:
@@ -1234,7 +1251,7 @@ def _response_problem(headers: list[tuple[bytes, bytes]]) -> str | None:
 # stream on both sides. A block of literals *without indexing* (RFC 7541 §6.2.2) leaves both dynamic tables alone,
 # costs only byte concatenation here and a table-free decode there, and is valid for every HPACK decoder (Rust h2,
 # Envoy). Fields in the static table whole (":status: 200") are sent as their one-byte index. Plain octets, no
-# Huffman, as thirdparty.HPACK_PLAIN_LITERALS already does for hpack's own encoding.
+# Huffman: hpack's pure-Python Huffman decoder was the largest single cost of a CONNECT on the receiving side.
 
 
 def _hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
@@ -1292,9 +1309,10 @@ def literal_header_block(headers: Iterable[tuple[str, str]]) -> bytes:
 def encode_header_block(encoder: hpack.Encoder, headers: list[tuple[str, str]]) -> bytes:
     """The header block for ``headers`` on a connection whose HPACK encoder is ``encoder``: literal (see
     :func:`literal_header_block`) unless the peer changed the dynamic table size and the encoder owes it a size
-    update (RFC 7541 §4.2, at the start of the next block), which hpack's own encoding then carries."""
+    update (RFC 7541 §4.2, at the start of the next block), which hpack's own encoding then carries (values as
+    plain literals: hpack's pure-Python Huffman coding costs more than the few bytes it saves)."""
     if encoder.header_table.resized:
-        return bytes(encoder.encode(headers))
+        return bytes(encoder.encode(headers, huffman=False))
     return literal_header_block(headers)
 
 
