@@ -12,13 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import h2.config
-import h2.connection
-import h2.exceptions
-import h2.utilities
 import hpack
 import hpack.hpack
-import hyperframe.frame
 import pytest
 
 from ztunnel import thirdparty
@@ -28,12 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # What each process-wide patch replaces, as seen from a fresh interpreter.
 _SNAPSHOT = """
 import json, sys
-import aiohttp.web_protocol, hpack.hpack, hyperframe.frame
+import aiohttp.web_protocol, hpack.hpack
 
 def snapshot():
     return {
         "hpack.hpack.log": id(hpack.hpack.log),
-        "hyperframe.frame.Frame.__repr__": id(hyperframe.frame.Frame.__repr__),
         "aiohttp.web_protocol.ERROR": repr(aiohttp.web_protocol.ERROR.version),
     }
 """
@@ -49,7 +43,7 @@ def _run(code: str) -> dict[str, dict[str, object]]:
 
 
 def test_importing_the_sans_io_core_changes_nothing_global() -> None:
-    """The HBONE core, the HTTP servers and the app module import without touching hpack, hyperframe or aiohttp;
+    """The HBONE core, the HTTP servers and the app module import without touching hpack or aiohttp;
     ``apply()`` (what App.start runs) then does change each of them, so the snapshot compares what matters."""
     got = _run(
         "before = snapshot()\n"
@@ -114,7 +108,6 @@ def test_a_speed_patch_outside_its_range_is_skipped_with_one_warning() -> None:
     # hpack's patch is not applied; the others are.
     assert changed == {
         "hpack.hpack.log": False,
-        "hyperframe.frame.Frame.__repr__": True,
         "aiohttp.web_protocol.ERROR": True,
     }
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("WARNING")]
@@ -157,41 +150,6 @@ def test_hpack_logs_each_header_at_debug(monkeypatch: pytest.MonkeyPatch) -> Non
     decoded: list[object] = [tuple(h) for h in hpack.Decoder().decode(block)]
     assert decoded == headers
     assert encoded >= len(headers) and len(calls) - encoded >= len(headers), calls
-
-
-# -- hyperframe.frame.Frame.__repr__ ------------------------------------------------------------------------------
-
-
-def test_no_frame_type_has_a_repr_of_its_own() -> None:
-    """Replacing ``Frame.__repr__`` covers every frame type only while none overrides it."""
-    own = [name for name, cls in vars(hyperframe.frame).items() if _is_frame(cls) and "__repr__" in vars(cls)]
-    assert own == ["Frame"]
-
-
-def _is_frame(obj: object) -> bool:
-    return isinstance(obj, type) and issubclass(obj, hyperframe.frame.Frame)
-
-
-def test_h2_formats_every_received_frame(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the patch saves: h2 calls ``repr`` on each frame it receives, logged or not. If this fails, h2 stopped
-    doing so and the patch can go."""
-    calls: list[str] = []
-
-    def counting_repr(frame: hyperframe.frame.Frame) -> str:
-        calls.append(type(frame).__name__)
-        return "frame"
-
-    monkeypatch.setattr(hyperframe.frame.Frame, "__repr__", counting_repr)
-    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
-    client.initiate_connection()
-    client.ping(b"12345678")
-    server.receive_data(client.data_to_send())
-    assert calls == ["SettingsFrame", "PingFrame"]
-
-
-def test_short_frame_repr_keeps_type_and_stream() -> None:
-    assert thirdparty._frame_repr(hyperframe.frame.DataFrame(7, b"x" * 100)) == "DataFrame(stream_id=7)"
 
 
 # -- aiohttp.web_protocol.ERROR -----------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """Every change ztunnel makes to another library's internals, in one place.
 
-**Process-wide patches**, installed by :func:`apply`: module attributes of hpack, hyperframe and aiohttp are
-replaced. :func:`apply` runs once, at start (:meth:`ztunnel.app.App.start`, so the ``ztunnel`` command, the demo and
-every in-process app), and in the test session (``tests/conftest.py``) and the micro-benchmarks
+**Process-wide patches**, installed by :func:`apply`: module attributes of hpack and aiohttp are replaced.
+:func:`apply` runs once, at start (:meth:`ztunnel.app.App.start`, so the ``ztunnel`` command, the demo and every
+in-process app), and in the test session (``tests/conftest.py``) and the micro-benchmarks
 (``bench/micro/conftest.py``). Nothing is patched on import: importing any ztunnel module, the sans-IO HBONE core
 included, leaves the other libraries as they are (``tests/test_thirdparty.py`` checks it in a fresh interpreter).
-The HBONE core no longer uses h2 (it once adjusted h2's internals per connection).
+The HBONE core no longer uses h2 (it once adjusted h2's internals per connection, and hyperframe's frame ``repr``
+was shortened for h2's per-frame trace line).
 
 Each patch names the versions of its library it was written for: from the lowest that ``pyproject.toml`` admits
 (read there) to the next major version, exclusive. Outside that range a patch is not applied and one warning says
@@ -22,7 +23,6 @@ import importlib.metadata
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from ztunnel.errors import ZtunnelError
 
@@ -106,29 +106,6 @@ def _install_hpack_debug_log() -> None:
     hpack.hpack.log = _NoLog()  # type: ignore[assignment]
 
 
-FRAME_REPR = Patch(
-    name="hyperframe.frame.Frame.__repr__ (type and stream id only)",
-    distribution="hyperframe",
-    lowest=(6, 0),  # h2 4.1 needs hyperframe>=6.0; checked in 6.0.0 and 6.1.0
-    below=(7,),
-    required=False,  # speed only: a repr is for log lines
-    without="h2 hex-encodes every received frame's payload for a trace line nobody reads (~1.5 µs per HEADERS)",
-)
-
-
-def _frame_repr(frame: Any) -> str:
-    # h2 formats every frame it receives for a trace line before knowing whether anything logs it
-    # (``logger.trace("Received frame: %s", repr(frame))``), and hyperframe's repr hex-encodes the payload: 1.5 µs
-    # per HEADERS frame, 0.4 µs per WINDOW_UPDATE, against 0.1 µs for this short form (type and stream are kept).
-    return f"{type(frame).__name__}(stream_id={frame.stream_id})"
-
-
-def _install_frame_repr() -> None:
-    import hyperframe.frame
-
-    hyperframe.frame.Frame.__repr__ = _frame_repr  # type: ignore[method-assign]
-
-
 AIOHTTP_HTTP11_ERRORS = Patch(
     name="aiohttp.web_protocol.ERROR (the placeholder request of an unparsable one says HTTP/1.1)",
     distribution="aiohttp",
@@ -160,7 +137,6 @@ def _install_aiohttp_http11_errors() -> None:
 
 _PROCESS_WIDE = (
     (HPACK_DEBUG_LOG, _install_hpack_debug_log),
-    (FRAME_REPR, _install_frame_repr),
     (AIOHTTP_HTTP11_ERRORS, _install_aiohttp_http11_errors),
 )
 
