@@ -44,18 +44,18 @@ def connected() -> tuple[HboneConnection, HboneConnection, int]:
 def test_data_frame_out(benchmark: BenchmarkFixture, size: int) -> None:
     """``frame_data`` (header written in place before the payload) + ``data_to_send``, per frame.
 
-    The send windows are given back after each frame by adding to h2's counters directly, which costs two
+    The send windows are given back after each frame by adding to the core's counters directly, which costs two
     integer additions, so the loop never runs dry; a real sender gets them back from WINDOW_UPDATE frames.
     """
     client, _server, sid = connected()
     buf = bytearray(FRAME_HEADER_SIZE + size)
-    h2conn = client.h2
+    stream = client.streams[sid]
 
     def frame_out() -> int:
         n = client.frame_data(sid, buf, FRAME_HEADER_SIZE, size)
         client.data_to_send()
-        h2conn.outbound_flow_control_window += n
-        h2conn.streams[sid].outbound_flow_control_window += n
+        client._send_window += n
+        stream.send_window += n
         return n
 
     assert frame_out() == min(size, client.send_window(sid) or size)

@@ -267,8 +267,7 @@ def test_non_connect_request_is_reported_for_a_400() -> None:
     s.initiate()
     pump(c, s)
     pump(s, c)
-    sid = c.h2.get_next_available_stream_id()
-    c.h2.send_headers(sid, [(":method", "GET"), (":scheme", "https"), (":path", "/"), (":authority", "x")])
+    sid = c.send_connect("x", method="GET")
     req = next(e for e in pump(c, s) if isinstance(e, ConnectRequested))
     assert req.method == "GET"
     s.send_response(sid, 400, end_stream=True)

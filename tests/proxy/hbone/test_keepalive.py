@@ -155,8 +155,10 @@ async def test_idle_connection_is_pinged_and_stays_open_while_pings_are_answered
         # A PING every interval (not one outstanding forever): each was answered, so the next one went out.
         assert len(peer.pings) >= 4, peer.pings
         assert peer.pings[0][0] - pair.handshake_at >= INTERVAL * 0.9
-        gaps = [b[0] - a[0] for a, b in zip(peer.pings, peer.pings[1:], strict=False)]
-        assert min(gaps) >= INTERVAL * 0.9, gaps
+        # Not more often than one per interval: counted, not gap by gap (a read the loop delays under load makes
+        # one gap long and the next short, however regular the sender's timer is).
+        elapsed = time.monotonic() - pair.handshake_at
+        assert len(peer.pings) <= elapsed / (INTERVAL * 0.9), (elapsed, [t for t, *_ in peer.pings])
         assert not pair.ours.closed, pair.ours.close_reason
         assert peer.goaways == [] and peer.closed_at is None
         # ztunnel answers the peer's PINGs too, echoing the opaque data.

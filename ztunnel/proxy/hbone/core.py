@@ -1,29 +1,31 @@
-"""Sans-IO HBONE: HTTP/2 CONNECT tunnels on h2, with DATA frames kept off h2's per-frame path.
+"""Sans-IO HBONE: HTTP/2 CONNECT tunnels, the whole HTTP/2 connection kept here (HPACK from ``hpack``).
 
 Theory of operation
 -------------------
-h2 is the state machine for everything but DATA and GOAWAY: the connection preface and SETTINGS, HEADERS (the CONNECT
-request and its response), RST_STREAM, WINDOW_UPDATE and PING all reach ``H2Connection``'s state machines, so stream
-states and the protocol checks are h2's. GOAWAY is sent and received here, because h2 stops sending anything
-once either happened, and a graceful GOAWAY must let the open streams finish. DATA frames, which carry every
-tunnelled byte, are parsed and built here instead, because h2's path for them costs several copies and an eager
-``repr`` of each frame (hex-encoding the payload: about 20% of a receiver's CPU, measured on these machines). This
-is the split the benchmark needs.
+Streams live here: each open stream is a :class:`_Stream` in :attr:`HboneConnection.streams` with its RFC 9113
+§5.1 state (open, half-closed local or remote: two flags; closed: dropped, and how it closed remembered in a
+bounded map so a late frame is answered as RFC 9113 and h2 answer it), its send window (from the peer's
+SETTINGS_INITIAL_WINDOW_SIZE, moved by later SETTINGS per §6.9.2 and by WINDOW_UPDATE) and its receive window.
+Stream ids are checked here (a client's are odd and increasing; a server refuses a HEADERS at or below one already
+opened, §5.1.1). Every frame type is parsed and built here, the connection-level ones too (the preface, SETTINGS
+and their ACKs, PING, WINDOW_UPDATE on stream 0, GOAWAY): a stream costs a dict entry and one small object, a
+connection no ``h2`` object at all. The python-h2 library is the oracle in tests:
+tests/proxy/hbone/test_stream_states.py feeds the same frame sequences to this core and to an ``H2Connection`` and
+compares events, answers and errors (the documented differences: stream errors where RFC 9113 and upstream's h2
+crate give them and h2 ends the connection).
 
-The HEADERS of a CONNECT and of its response (a whole block in one frame) skip h2's frame objects and generic header
-pipeline: built and parsed here, then handed to h2's state machines through ``thirdparty.h2_headers_sent`` /
-``h2_headers_received`` (version-guarded, h2 the oracle in tests/proxy/hbone/test_headers_direct.py). Our blocks are
-HPACK literals without indexing (:func:`literal_header_block`), and such blocks are decoded without hpack
-(:func:`decode_plain_block`); any other block (a peer that indexes or Huffman-codes) goes to hpack's decoder. The
-sans-IO stream lifecycle went from ~150 to ~100 µs (bench/README.md, "Optimisations").
+Header blocks: ours are HPACK literals without indexing (:func:`literal_header_block`), and such blocks are decoded
+without hpack (:func:`decode_plain_block`); any other block (a peer that indexes or Huffman-codes) goes to hpack's
+decoder. A server checks requests itself (:func:`_request_problem`: a malformed request is refused alone with
+RST_STREAM PROTOCOL_ERROR, as upstream's h2 crate does, RFC 9113 §8.1.1); a client checks responses as h2 does
+(:func:`plainly_valid_response` for the usual case, :func:`_response_problem` otherwise).
 
 Receiving: the I/O layer decrypts straight into :meth:`HboneConnection.get_buffer` and calls
 :meth:`HboneConnection.buffer_updated`. DATA payloads are delivered *streaming*, as soon as bytes of a frame arrive
 (a 1 MiB frame need not be buffered whole), as :class:`DataReceived` events whose ``data`` is a memoryview into the
 receive buffer: valid until the next ``get_buffer``; a consumer that keeps it (a transport that could not write it
-all) calls :meth:`HboneConnection.pin` and the next read goes to a fresh buffer. Other frames are passed, in wire
-order, to h2 whole. A DATA frame on a stream this side does not know (closed, reset) also goes to h2, which answers
-it the way RFC 9113 asks.
+all) calls :meth:`HboneConnection.pin` and the next read goes to a fresh buffer. Other frames are handled whole, in
+wire order.
 
 Flow control: the connection window is released as soon as bytes are taken off the connection (the consumer has
 them), so one slow stream cannot stall the others; a stream's window is released by the consumer
@@ -32,37 +34,30 @@ updates are batched (sent once a quarter of the window is consumed) so small req
 extra frames.
 
 Sending: :meth:`frame_data` writes the 9-byte DATA header into the caller's buffer just before the payload, so
-header and payload reach TLS as one contiguous write (one record, no copy). Windows and the peer's maximum frame
-size are read from, and charged to, h2's own accounting, so h2's WINDOW_UPDATE handling stays authoritative.
-Anything h2 has queued (HEADERS, WINDOW_UPDATE, ...) is returned first, so frames leave in the order they were made.
+header and payload reach TLS as one contiguous write (one record, no copy). Anything queued (SETTINGS and PING
+ACKs, HEADERS, RST_STREAM, END_STREAM, WINDOW_UPDATE, GOAWAY) is returned first, so frames leave in the order they
+were made.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
+import re
 import struct
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NoReturn
 
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
-import h2.stream
 import hpack
 import hpack.table
 
-from ztunnel import thirdparty
 from ztunnel.errors import ZtunnelError
 
 # Frame header: 24-bit length + 8-bit type packed as one u32, then flags (u8) and stream id (u32).
 _HEADER = struct.Struct(">IBI")
 _WINDOW_UPDATE = struct.Struct(">IBII")
+_RST_STREAM = _WINDOW_UPDATE
 _GOAWAY = struct.Struct(">IBIII")
 FRAME_HEADER_SIZE = 9
 DATA = 0x0
@@ -70,23 +65,34 @@ HEADERS = 0x1
 PRIORITY = 0x2
 RST_STREAM = 0x3
 SETTINGS = 0x4
+PUSH_PROMISE = 0x5
 PING = 0x6
 GOAWAY = 0x7
+WINDOW_UPDATE = 0x8
 CONTINUATION = 0x9
 FLAG_END_STREAM = 0x1
 FLAG_ACK = 0x1
 FLAG_END_HEADERS = 0x4
 FLAG_PADDED = 0x8
 FLAG_PRIORITY = 0x20
-# How many recently reset stream ids are remembered, so DATA the peer had in flight when we reset them is not
-# mistaken for abuse (one stream window, 4 MiB, can be hundreds of frames).
-_RECENT_RESETS = 256
-# How many closed streams h2 remembers the ending of (reset or END_STREAM), to answer a late frame on one with
-# RST_STREAM instead of a connection error. h2's own bound is 65,536: ~11 MiB of OrderedDict on every pooled
-# connection that has carried that many streams, for the connection's life (the soak found it). A late frame comes
-# within a round trip, long before another 1,024 streams close; Rust's h2 (upstream) keeps 50 reset streams for 1 s.
+# How many closed streams are remembered with how they ended (reset or END_STREAM), to answer a late frame on one
+# with RST_STREAM instead of a connection error. h2's own bound was 65,536: ~11 MiB on every pooled connection that
+# has carried that many streams, for the connection's life (the soak found it). A late frame comes within a round
+# trip, long before another 1,024 streams close; Rust's h2 (upstream) keeps 50 reset streams for 1 s.
 _CLOSED_STREAMS_REMEMBERED = 1024
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _PREFACE_SIZE = 24
+# SETTINGS identifiers (RFC 9113 §6.5.2, RFC 8441 §3).
+_HEADER_TABLE_SIZE = 0x1
+_ENABLE_PUSH = 0x2
+_MAX_CONCURRENT_STREAMS = 0x3
+_INITIAL_WINDOW_SIZE = 0x4
+_MAX_FRAME_SIZE = 0x5
+_MAX_HEADER_LIST_SIZE = 0x6
+_ENABLE_CONNECT_PROTOCOL = 0x8
+_SETTING = struct.Struct(">HI")
+_DEFAULT_WINDOW = 65535  # RFC 9113 §6.9.2, for streams and the connection
+_DEFAULT_FRAME_SIZE = 16384
 # Receive buffers start small and grow with traffic: an idle connection should cost little memory, a busy one
 # should read a socket's worth (256 KiB) per call.
 _MIN_BUFFER = 16 * 1024
@@ -272,16 +278,33 @@ class HboneProtocolError(ZtunnelError):
         self.code = code
 
 
+# How a stream we no longer track ended, for frames that arrive on it late (see _closed_frame).
+_ENDED = 0  # END_STREAM both ways
+_RESET_BY_US = 1
+_RESET_BY_PEER = 2
+_MAX_WINDOW = 2**31 - 1  # RFC 9113 §6.9.1
+_MAX_STREAM_ID = 2**31 - 1
+
+
 @dataclass(slots=True)
 class _Stream:
-    """What the DATA fast path needs to know of an open stream."""
+    """One open stream: its RFC 9113 §5.1 state is open, half-closed (local or remote) by the two flags; a closed
+    stream is dropped from ``HboneConnection.streams`` and remembered in ``_closed``."""
 
     recv_window: int
+    send_window: int  # from the peer's SETTINGS_INITIAL_WINDOW_SIZE, moved by its SETTINGS and WINDOW_UPDATEs
     unacked: int = 0  # received, delivered, not yet released by the consumer
     remote_closed: bool = False
     local_closed: bool = False
     held: int = 0  # released by the consumer while the window update is being batched
-    responded: bool = False  # server: response headers sent (a reset before that is "premature")
+    # Server: final response headers sent (a reset before that is "premature"). Client: final response received
+    # (a later HEADERS is trailers).
+    responded: bool = False
+
+
+class StreamLimitError(ZtunnelError):
+    """A client cannot open a stream now: the peer's SETTINGS_MAX_CONCURRENT_STREAMS is reached, stream ids are
+    exhausted, or the connection has failed."""
 
 
 class HboneConnection:
@@ -301,33 +324,29 @@ class HboneConnection:
         # A compressed header block is never larger than the header list it decodes to (HPACK spends at most ~8
         # bytes of framing per field, the list size counts 32), plus HEADERS padding (256) and priority (5).
         self._header_block_limit = self.settings.max_header_list_size + 261
-        self._header_block = -1  # bytes of the header block being received; -1: none open
-        # Streams reset recently, insertion-ordered and bounded by _RECENT_RESETS: by us (DATA still in flight on
-        # them is expected) and by the peer (one RST_STREAM per stream is normal, more is a flood).
-        self._reset_by_us: dict[int, None] = {}
-        self._reset_by_peer: dict[int, None] = {}
+        # The header block being received (HEADERS without END_HEADERS, then CONTINUATIONs): its stream, the
+        # fragments so far (None: no block open), and whether its HEADERS carried END_STREAM.
+        self._block_stream = 0
+        self._block: bytearray | None = None
+        self._block_end_stream = False
+        self._block_size = 0  # frame bytes of the open block, padding included (checked against the limit); 0: none
+        # Streams that closed, by how (_ENDED, _RESET_BY_US, _RESET_BY_PEER), insertion-ordered and bounded by
+        # _CLOSED_STREAMS_REMEMBERED: a late frame on one is answered as RFC 9113 §5.1 and h2 answer it.
+        self._closed: dict[int, int] = {}
+        self._highest_inbound = 0  # server: the highest stream id the client opened (RFC 9113 §5.1.1)
+        self._next_stream_id = 1  # client: the next stream id we open (odd, increasing)
         self.streams_opened = 0  # by the peer (server role)
         self.malformed_requests = 0  # refused with RST_STREAM PROTOCOL_ERROR (server role)
         self.premature_resets = 0
-        config = h2.config.H2Configuration(
-            client_side=client_side,
-            header_encoding=None,
-            # A client keeps h2's validation of responses. A server checks requests itself (_request_problem):
-            # h2 turns a malformed request into a connection error (GOAWAY), which would cut every other tunnel
-            # on the connection, where upstream's h2 crate resets only that stream (RFC 9113 §8.1.1); ours costs
-            # ~6 µs for a ztunnel CONNECT's five headers, h2's ~19 µs. Outbound
-            # headers are built by this code from known-good values: h2's per-header validation and
-            # normalisation were ~40% of send_headers' time on the connection-rate benchmark.
-            validate_inbound_headers=client_side,
-            validate_outbound_headers=False,
-            normalize_outbound_headers=False,
-        )
-        self.h2 = h2.connection.H2Connection(config=config)
-        # At most _CLOSED_STREAMS_REMEMBERED closed streams, header values as plain literals (the numbers: there).
-        thirdparty.adjust_h2(self.h2, closed_streams=_CLOSED_STREAMS_REMEMBERED)
-        self._end_stream_direct = thirdparty.enabled(thirdparty.H2_END_STREAM)
-        # CONNECT requests and their responses sent and received without h2's frame objects (thirdparty.H2_HEADERS).
-        self._headers_direct = thirdparty.enabled(thirdparty.H2_HEADERS)
+        # HPACK contexts: the encoder only encodes the block that must carry a table size update after the peer
+        # resized its table (encode_header_block); the decoder takes every block that is not plain literals.
+        self._encoder = hpack.Encoder()
+        self._decoder = hpack.Decoder(max_header_list_size=self.settings.max_header_list_size)
+        # What the peer's SETTINGS said, RFC 9113's defaults until they come.
+        self._peer_initial_window = _DEFAULT_WINDOW
+        self._peer_max_frame = _DEFAULT_FRAME_SIZE
+        self._peer_max_streams = 2**31  # unlimited until the peer says otherwise
+        self._send_window = _DEFAULT_WINDOW  # the connection's, towards the peer
         self.streams: dict[int, _Stream] = {}
         # Allocated at the first receive: a connection still in its TLS handshake (or stalled there) costs none.
         self._buf = bytearray()
@@ -336,7 +355,7 @@ class HboneConnection:
         self._end = 0  # end of received bytes
         self._pinned = False
         self._need = 0  # bytes the incomplete frame at _start needs in the buffer
-        # A server first reads the 24-byte client preface ("PRI * HTTP/2.0..."), which h2 checks.
+        # A server first reads the 24-byte client preface ("PRI * HTTP/2.0...").
         self._preface = 0 if client_side else _PREFACE_SIZE
         self._ack_ready: set[int] = set()  # streams whose held window reached the update threshold
         # The DATA frame being received, if its header has been parsed: stream, payload and padding left.
@@ -355,32 +374,24 @@ class HboneConnection:
     # -- setup -----------------------------------------------------------------------------------------------
 
     def initiate(self) -> None:
-        """Queue the preface and SETTINGS, and raise the connection window from 64 KiB to its configured size."""
+        """Queue the preface (a client's) and SETTINGS, and raise the connection window from 64 KiB to its
+        configured size. Our settings are in force at once: every one of them only widens what we accept (frame
+        size, windows) or is enforced by us alone (header list size, concurrent streams), so nothing waits for the
+        peer's ACK."""
         s = self.settings
-        local: dict[h2.settings.SettingCodes, int] = {
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: s.stream_window,
-            h2.settings.SettingCodes.MAX_FRAME_SIZE: s.max_frame_size,
-            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: s.max_header_list_size,
-        }
+        local = [(_INITIAL_WINDOW_SIZE, s.stream_window), (_MAX_FRAME_SIZE, s.max_frame_size)]
         if self.client_side:
-            local[h2.settings.SettingCodes.ENABLE_PUSH] = 0
+            local.insert(0, (_ENABLE_PUSH, 0))
+            self._out += PREFACE
         if s.max_concurrent_streams is not None:
-            local[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = s.max_concurrent_streams
-        self.h2.local_settings = h2.settings.Settings(client=self.client_side, initial_values=local)
-        # h2 applies a header list limit to its HPACK decoder only on a SETTINGS ACK; ours is in force at once.
-        self.h2.decoder.max_header_list_size = s.max_header_list_size
-        self.h2.initiate_connection()
-        if s.max_concurrent_streams is not None and not self.client_side:
-            # We advertise the limit (above) and enforce it ourselves in _translate: a stream over it is refused
-            # alone (RST_STREAM REFUSED_STREAM, as upstream's h2 crate, RFC 9113 §5.1.2), where h2's own check ends
-            # the whole connection. Set without sending, h2 takes this (unlimited) value once the peer ACKs.
-            self.h2.local_settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = 2**31 - 1
-        # h2 only applies a bigger inbound frame limit once the peer ACKs our SETTINGS; frames it parses (all but
-        # DATA) may legitimately be that large as soon as the peer has seen them, so accept them from the start.
-        self.h2.max_inbound_frame_size = s.max_frame_size
-        increment = s.connection_window - 65535
+            local.append((_MAX_CONCURRENT_STREAMS, s.max_concurrent_streams))
+        local.append((_MAX_HEADER_LIST_SIZE, s.max_header_list_size))
+        self._out += _HEADER.pack(6 * len(local) << 8 | SETTINGS, 0, 0)
+        for ident, value in local:
+            self._out += _SETTING.pack(ident, value)
+        increment = s.connection_window - _DEFAULT_WINDOW
         if increment > 0:
-            self.h2.increment_flow_control_window(increment)
+            self._out += _WINDOW_UPDATE.pack(4 << 8 | WINDOW_UPDATE, 0, 0, increment)
 
     # -- receiving -------------------------------------------------------------------------------------------
 
@@ -435,12 +446,14 @@ class HboneConnection:
         events: list[Event] = []
         view = self._view
         pos, end = self._start, self._end
-        h2_from = -1  # start of a run of complete non-DATA frames to hand to h2 together
         self._need = 0
         if self._preface:
             if end - pos < self._preface:
                 return events
-            h2_from = pos
+            if view[pos : pos + _PREFACE_SIZE] != PREFACE:
+                # A connection error without GOAWAY: the peer does not speak HTTP/2 (RFC 9113 §3.4 allows it).
+                self.closed = True
+                raise HboneProtocolError("not an HTTP/2 connection preface", ErrorCode.PROTOCOL_ERROR)
             pos += self._preface
             self._preface = 0
         while pos < end:
@@ -455,90 +468,53 @@ class HboneConnection:
             stream_id &= 0x7FFFFFFF
             if length > self.settings.max_frame_size:
                 self._fail(f"frame of {length} bytes exceeds SETTINGS_MAX_FRAME_SIZE", ErrorCode.FRAME_SIZE_ERROR)
+            if self._block is not None and (ftype != CONTINUATION or stream_id != self._block_stream):
+                # RFC 9113 §6.10: a header block is a contiguous sequence of frames on its stream.
+                self._fail(
+                    f"{_frame_name(ftype)} frame on stream {stream_id} inside the header block of stream "
+                    f"{self._block_stream}, where only its CONTINUATION may come",
+                    ErrorCode.PROTOCOL_ERROR,
+                )
             if ftype == DATA:
-                if h2_from >= 0:
-                    # The frames before may open the stream (its CONNECT in the same read) or end it (a RST_STREAM):
-                    # h2 sees them first.
-                    events.extend(self._to_h2(view[h2_from:pos]))
-                    h2_from = -1
-                if stream_id in self.streams:
-                    if length == 0 and not flags & FLAG_END_STREAM:
-                        self._spend("empty DATA frames")
-                    pos = self._start_data(events, pos, length, flags, stream_id)
-                    continue
-            if ftype in (HEADERS, CONTINUATION) and max(self._header_block, 0) + length > self._header_block_limit:
-                # Checked on the frame header, before buffering a frame that may be up to 1 MiB.
+                pos = self._start_data(events, pos, length, flags, stream_id)
+                continue
+            # The header block's size is checked on the frame header, before buffering a frame of up to 1 MiB.
+            if ftype in (HEADERS, CONTINUATION) and self._block_size + length > self._header_block_limit:
                 self._fail(
                     f"header block over {self._header_block_limit} bytes (SETTINGS_MAX_HEADER_LIST_SIZE "
                     f"{self.settings.max_header_list_size})",
                     ErrorCode.ENHANCE_YOUR_CALM,
                 )
-            # A whole non-DATA frame (or DATA for a stream h2 must answer) goes to h2.
             if end - pos < FRAME_HEADER_SIZE + length:
                 self._need = FRAME_HEADER_SIZE + length
                 break
-            if (
-                ftype == HEADERS
-                and flags & (FLAG_END_HEADERS | FLAG_PADDED | FLAG_PRIORITY) == FLAG_END_HEADERS
-                and self._header_block < 0
-                and self._headers_direct
-                and self._opens_exchange(stream_id)
-            ):
-                # A whole request or response in one frame: decoded here and handed to h2's state machines
-                # directly, not parsed into a frame object (thirdparty.H2_HEADERS). In wire order with the rest.
-                if h2_from >= 0:
-                    events.extend(self._to_h2(view[h2_from:pos]))
-                    h2_from = -1
-                start = pos + FRAME_HEADER_SIZE
-                events.extend(self._headers_frame(stream_id, bytes(view[start : start + length]), flags))
-                pos = start + length
-                continue
-            if ftype != DATA:
-                self._account(ftype, flags, length, stream_id)
-            elif stream_id not in self._reset_by_us:
-                self._spend("DATA frames on closed streams")
-            if ftype == GOAWAY and stream_id == 0 and length >= 8:
-                # Handled here, not by h2: h2 moves its state machine to CLOSED on a received GOAWAY and then
-                # refuses to send anything (END_STREAM, RST_STREAM, a response), while a graceful GOAWAY lets the
-                # open streams finish (RFC 9113 §6.8). A malformed GOAWAY still goes to h2, which rejects it.
-                if h2_from >= 0:
-                    events.extend(self._to_h2(view[h2_from:pos]))
-                    h2_from = -1
-                events.append(self._goaway_frame(view[pos + FRAME_HEADER_SIZE : pos + FRAME_HEADER_SIZE + length]))
-                pos += FRAME_HEADER_SIZE + length
-                continue
-            if h2_from < 0:
-                h2_from = pos
-            pos += FRAME_HEADER_SIZE + length
-        if h2_from >= 0:
-            events.extend(self._to_h2(view[h2_from:pos]))
+            start = pos + FRAME_HEADER_SIZE
+            pos = start + length
+            if ftype == HEADERS:
+                self._headers_frame(events, stream_id, flags, view[start:pos])
+            elif ftype == CONTINUATION:
+                self._continuation_frame(events, stream_id, flags, view[start:pos])
+            elif ftype == RST_STREAM:
+                self._rst_stream_frame(events, stream_id, view[start:pos])
+            elif ftype == WINDOW_UPDATE:
+                self._window_update_frame(events, stream_id, view[start:pos])
+            elif ftype == SETTINGS:
+                self._settings_frame(events, stream_id, flags, view[start:pos])
+            elif ftype == PING:
+                self._ping_frame(events, stream_id, flags, view[start:pos])
+            elif ftype == PRIORITY:
+                self._priority_frame(stream_id, view[start:pos])
+            elif ftype == GOAWAY:
+                events.append(self._goaway_frame(stream_id, view[start:pos]))
+            elif ftype == PUSH_PROMISE:
+                # A client advertises SETTINGS_ENABLE_PUSH 0 and a server is never pushed to (RFC 9113 §8.4).
+                self._fail("PUSH_PROMISE received, push is not enabled", ErrorCode.PROTOCOL_ERROR)
+            else:
+                # Unknown types (and ALTSVC, ORIGIN, ...) are ignored (RFC 9113 §5.5), but cost us the parse.
+                self._spend("frames of unknown type")
         self._start = pos
         self._send_window_updates()
         return events
-
-    def _account(self, ftype: int, flags: int, length: int, stream_id: int) -> None:
-        """Charge a complete control frame to the abuse budgets (see :class:`Limits`)."""
-        if ftype == HEADERS:
-            self._header_block = -1 if flags & FLAG_END_HEADERS else length
-        elif ftype == CONTINUATION:
-            if self._header_block >= 0:  # else h2 rejects the stray CONTINUATION itself
-                self._header_block = -1 if flags & FLAG_END_HEADERS else self._header_block + length
-            if length == 0:
-                self._spend("empty CONTINUATION frames")
-        elif ftype in (PING, SETTINGS):
-            if not flags & FLAG_ACK:
-                self._spend("PING frames" if ftype == PING else "SETTINGS frames")
-        elif ftype == PRIORITY:
-            self._spend("PRIORITY frames")
-        elif ftype == RST_STREAM:
-            # The stream may not be open yet (h2 sees its HEADERS later in this read), so "closed" is judged by
-            # whether the peer already reset it.
-            if stream_id in self._reset_by_peer:
-                self._spend("RST_STREAM frames on closed streams")
-            else:
-                _remember(self._reset_by_peer, stream_id)
-        elif ftype > CONTINUATION:
-            self._spend("frames of unknown type")
 
     def _spend(self, what: str) -> None:
         if not self._control.spend():
@@ -549,21 +525,365 @@ class HboneConnection:
                 ErrorCode.ENHANCE_YOUR_CALM,
             )
 
-    def _goaway_frame(self, payload: memoryview) -> GoAwayReceived:
+    def _idle(self, stream_id: int) -> bool:
+        """Whether ``stream_id`` was never opened (RFC 9113 §5.1 "idle"): by the client, above the highest it opened;
+        a server opens none (HBONE has no push), so any even id is idle too."""
+        if self.client_side:
+            return stream_id & 1 == 0 or stream_id >= self._next_stream_id
+        return stream_id & 1 == 0 or stream_id > self._highest_inbound
+
+    def _closed_as(self, stream_id: int, how: int) -> None:
+        closed = self._closed
+        closed[stream_id] = how
+        if len(closed) > _CLOSED_STREAMS_REMEMBERED:
+            del closed[next(iter(closed))]
+
+    def _goaway_frame(self, stream_id: int, payload: memoryview) -> GoAwayReceived:
+        # Handled here, not by h2: h2 moves its state machine to CLOSED on a received GOAWAY and then refuses to
+        # send anything, while a graceful GOAWAY lets the open streams finish (RFC 9113 §6.8).
+        if stream_id:
+            self._fail(f"GOAWAY on stream {stream_id}", ErrorCode.PROTOCOL_ERROR)
+        if len(payload) < 8:
+            self._fail(f"GOAWAY of {len(payload)} bytes (at least 8)", ErrorCode.FRAME_SIZE_ERROR)
         last, code = struct.unpack_from(">II", payload)
         g = GoAwayReceived(code, last & 0x7FFFFFFF, bytes(payload[8:]))
         self.goaway_received = g
         return g
 
+    def _rst_stream_frame(self, events: list[Event], stream_id: int, payload: memoryview) -> None:
+        if len(payload) != 4:
+            self._fail(f"RST_STREAM of {len(payload)} bytes (4)", ErrorCode.FRAME_SIZE_ERROR)
+        if not stream_id:
+            self._fail("RST_STREAM on stream 0", ErrorCode.PROTOCOL_ERROR)
+        code = int.from_bytes(payload, "big")
+        st = self.streams.pop(stream_id, None)
+        if st is not None:
+            self._closed_as(stream_id, _RESET_BY_PEER)
+            self._ack_ready.discard(stream_id)
+            if not self.client_side and not st.responded:
+                self._premature_reset()
+            events.append(StreamReset(stream_id, code))
+            return
+        if self._idle(stream_id):
+            # RFC 9113 §6.4 (h2 ignores it; upstream's h2 crate and the RFC end the connection).
+            self._fail(f"RST_STREAM on idle stream {stream_id}", ErrorCode.PROTOCOL_ERROR)
+        # A closed stream: one RST_STREAM may cross our END_STREAM or RST_STREAM; a second one is a flood.
+        if self._closed.get(stream_id) == _RESET_BY_PEER:
+            self._spend("RST_STREAM frames on closed streams")
+        else:
+            self._closed_as(stream_id, _RESET_BY_PEER)
+
+    def _window_update_frame(self, events: list[Event], stream_id: int, payload: memoryview) -> None:
+        if len(payload) != 4:
+            self._fail(f"WINDOW_UPDATE of {len(payload)} bytes (4)", ErrorCode.FRAME_SIZE_ERROR)
+        increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
+        if not stream_id:
+            if not increment:
+                self._fail("WINDOW_UPDATE of 0 on the connection", ErrorCode.PROTOCOL_ERROR)
+            self._send_window += increment
+            if self._send_window > _MAX_WINDOW:
+                self._fail("WINDOW_UPDATE past 2^31-1 on the connection", ErrorCode.FLOW_CONTROL_ERROR)
+            events.append(WindowOpened(0))
+            return
+        st = self.streams.get(stream_id)
+        if st is None:
+            if self._idle(stream_id):
+                self._fail(f"WINDOW_UPDATE on idle stream {stream_id}", ErrorCode.PROTOCOL_ERROR)
+            return  # a closed stream: the peer may not know yet (RFC 9113 §6.9)
+        if not increment:
+            # RFC 9113 §6.9: a stream error (h2 ends the connection, as for a zero increment on stream 0).
+            self._spend("stream errors")
+            events.append(self._reset(stream_id, ErrorCode.PROTOCOL_ERROR))
+            return
+        window = st.send_window + increment
+        if window > _MAX_WINDOW:
+            # RFC 9113 §6.9.1: a stream error FLOW_CONTROL_ERROR (as h2, which reports it as a reset).
+            self._spend("stream errors")
+            events.append(self._reset(stream_id, ErrorCode.FLOW_CONTROL_ERROR))
+            return
+        st.send_window = window
+        events.append(WindowOpened(stream_id))
+
+    def _priority_frame(self, stream_id: int, payload: memoryview) -> None:
+        if len(payload) != 5:
+            self._fail(f"PRIORITY of {len(payload)} bytes (5)", ErrorCode.FRAME_SIZE_ERROR)
+        if not stream_id:
+            self._fail("PRIORITY on stream 0", ErrorCode.PROTOCOL_ERROR)
+        if int.from_bytes(payload[:4], "big") & 0x7FFFFFFF == stream_id:
+            self._fail(f"stream {stream_id} depends on itself", ErrorCode.PROTOCOL_ERROR)
+        self._spend("PRIORITY frames")
+
+    def _headers_frame(self, events: list[Event], stream_id: int, flags: int, payload: memoryview) -> None:
+        if not stream_id:
+            self._fail("HEADERS on stream 0", ErrorCode.PROTOCOL_ERROR)
+        start, end = 0, len(payload)
+        if flags & FLAG_PADDED:
+            if not end:
+                self._fail("PADDED HEADERS frame without a pad length", ErrorCode.FRAME_SIZE_ERROR)
+            start = 1
+            end -= payload[0]
+            if end < start:
+                self._fail("HEADERS padding longer than the frame", ErrorCode.PROTOCOL_ERROR)
+        if flags & FLAG_PRIORITY:
+            if end - start < 5:
+                self._fail("HEADERS with PRIORITY too short for it", ErrorCode.FRAME_SIZE_ERROR)
+            if int.from_bytes(payload[start : start + 4], "big") & 0x7FFFFFFF == stream_id:
+                self._fail(f"stream {stream_id} depends on itself", ErrorCode.PROTOCOL_ERROR)
+            start += 5
+        end_stream = bool(flags & FLAG_END_STREAM)
+        if flags & FLAG_END_HEADERS:
+            self._header_block(events, stream_id, bytes(payload[start:end]), end_stream)
+        else:
+            self._block_stream = stream_id
+            self._block = bytearray(payload[start:end])
+            self._block_end_stream = end_stream
+            self._block_size = len(payload)
+
+    def _continuation_frame(self, events: list[Event], stream_id: int, flags: int, payload: memoryview) -> None:
+        block = self._block
+        if block is None:
+            self._fail(f"CONTINUATION on stream {stream_id} without a HEADERS before it", ErrorCode.PROTOCOL_ERROR)
+        if not payload and not flags & FLAG_END_HEADERS:
+            self._spend("empty CONTINUATION frames")
+        block += payload
+        self._block_size += len(payload)
+        if flags & FLAG_END_HEADERS:
+            self._block = None
+            self._block_size = 0
+            self._header_block(events, stream_id, bytes(block), self._block_end_stream)
+
+    def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
+        """The header list of a received block: HBONE's plain literals here, any other block by hpack (whose
+        errors end the connection, as h2 maps them)."""
+        headers = decode_plain_block(self._decoder, block)
+        if headers is not None:
+            return headers
+        try:
+            return list(self._decoder.decode(block, raw=True))
+        except hpack.OversizedHeaderListError as e:
+            self._fail(f"header list over the limit: {e}", ErrorCode.ENHANCE_YOUR_CALM)
+        except (hpack.HPACKError, IndexError, TypeError, UnicodeDecodeError) as e:
+            self._fail(f"bad header block: {e}", ErrorCode.PROTOCOL_ERROR)
+
+    def _header_block(self, events: list[Event], stream_id: int, block: bytes, end_stream: bool) -> None:
+        # Decoded first, whatever becomes of the stream: the HPACK context must take every block (RFC 7541 §2.2).
+        headers = self._decode(block)
+        st = self.streams.get(stream_id)
+        if st is None:
+            if self._closed_frame(stream_id, "HEADERS"):
+                return
+            if self.client_side:
+                self._fail(f"HEADERS on stream {stream_id}, which this client did not open", ErrorCode.PROTOCOL_ERROR)
+            self._request(events, stream_id, headers, end_stream)
+            return
+        if st.remote_closed:
+            # RFC 9113 §5.1, half-closed (remote): a stream error (h2 ends the whole connection).
+            self._spend("stream errors")
+            events.append(self._reset(stream_id, ErrorCode.STREAM_CLOSED))
+            return
+        if self.client_side and not st.responded:
+            self._response(events, stream_id, st, headers, end_stream)
+            return
+        # Trailers: they must end the stream and carry no pseudo-header (RFC 9113 §8.1); a tunnel drops them.
+        if not end_stream or any(name[:1] == b":" for name, _ in headers):
+            self._spend("stream errors")
+            events.append(self._reset(stream_id, ErrorCode.PROTOCOL_ERROR))
+            return
+        self._remote_closed(stream_id)
+        events.append(StreamEnded(stream_id))
+
+    def _closed_frame(self, stream_id: int, what: str) -> bool:
+        """A HEADERS or DATA frame on ``stream_id``, which is not open: True if it was answered (a stream that we or
+        the peer reset gets RST_STREAM STREAM_CLOSED, as h2 answers it); a stream closed by END_STREAM both ways or
+        forgotten ends the connection (STREAM_CLOSED, PROTOCOL_ERROR: RFC 9113 §5.1 and h2); False for a new id."""
+        if self._idle(stream_id):
+            return False
+        how = self._closed.get(stream_id)
+        if how in (_RESET_BY_US, _RESET_BY_PEER):
+            self._spend(f"{what} frames on closed streams")
+            self._out += _RST_STREAM.pack(4 << 8 | RST_STREAM, 0, stream_id, ErrorCode.STREAM_CLOSED)
+            return True
+        if how == _ENDED:
+            self._fail(f"{what} on stream {stream_id}, closed by END_STREAM both ways", ErrorCode.STREAM_CLOSED)
+        self._fail(f"{what} on stream {stream_id}, at or below a stream already opened", ErrorCode.PROTOCOL_ERROR)
+
+    def _request(self, events: list[Event], stream_id: int, headers: list[tuple[bytes, bytes]], end: bool) -> None:
+        """Server: a HEADERS block opening ``stream_id`` (odd, above every stream opened before: _idle)."""
+        if stream_id & 1 == 0:
+            self._fail(f"HEADERS on even stream {stream_id} from a client", ErrorCode.PROTOCOL_ERROR)
+        self._highest_inbound = stream_id
+        if self.goaway_sent is not None and stream_id > self.goaway_sent:
+            self._refuse(stream_id, ErrorCode.REFUSED_STREAM)  # after our GOAWAY: not processed
+            return
+        limit = self.settings.max_concurrent_streams
+        if limit is not None and len(self.streams) >= limit:
+            # Refused alone (RST_STREAM REFUSED_STREAM, as upstream's h2 crate, RFC 9113 §5.1.2).
+            self._spend("stream errors")
+            self._refuse(stream_id, ErrorCode.REFUSED_STREAM)
+            return
+        problem = _request_problem(headers)
+        if problem is not None:
+            if problem.startswith(_UNKNOWN_PSEUDO):  # a connection error in the h2 crate too
+                self._fail(f"malformed request on stream {stream_id}: {problem}", ErrorCode.PROTOCOL_ERROR)
+            self.malformed_requests += 1
+            self._spend("stream errors")
+            self._refuse(stream_id, ErrorCode.PROTOCOL_ERROR)
+            events.append(RequestRefused(stream_id, problem))
+            return
+        fields = _decode_headers(headers)
+        st = _Stream(self.settings.stream_window, self._peer_initial_window)
+        self.streams[stream_id] = st
+        self.streams_opened += 1
+        events.append(ConnectRequested(stream_id, fields.pop(":method", ""), fields.pop(":authority", ""), fields))
+        if end:
+            st.remote_closed = True
+            events.append(StreamEnded(stream_id))
+
+    def _response(
+        self, events: list[Event], stream_id: int, st: _Stream, headers: list[tuple[bytes, bytes]], end: bool
+    ) -> None:
+        """Client: a HEADERS block on a stream of ours that has no final response yet."""
+        if not plainly_valid_response(headers):
+            problem = _response_problem(headers)
+            if problem is not None:
+                # As h2 (validate_inbound_headers): a connection error.
+                self._fail(f"malformed response on stream {stream_id}: {problem}", ErrorCode.PROTOCOL_ERROR)
+        fields = _decode_headers(headers)
+        status = fields.pop(":status", "0")
+        code = int(status) if status.isdigit() else 0
+        if 100 <= code < 200:
+            if end:
+                self._fail(f"informational response ending stream {stream_id}", ErrorCode.PROTOCOL_ERROR)
+            return  # 1xx: the final response is still to come
+        st.responded = True
+        events.append(ConnectResponded(stream_id, code, fields))
+        if end:
+            self._remote_closed(stream_id)
+            events.append(StreamEnded(stream_id))
+
+    def _settings_frame(self, events: list[Event], stream_id: int, flags: int, payload: memoryview) -> None:
+        """The peer's SETTINGS (RFC 9113 §6.5): all values checked first, then applied, then acknowledged. An ACK
+        of ours needs nothing: our settings were in force from the start (:meth:`initiate`)."""
+        if stream_id:
+            self._fail(f"SETTINGS on stream {stream_id}", ErrorCode.PROTOCOL_ERROR)
+        if flags & FLAG_ACK:
+            if payload:
+                self._fail("SETTINGS ACK with a payload", ErrorCode.FRAME_SIZE_ERROR)
+            return
+        if len(payload) % 6:
+            self._fail(f"SETTINGS of {len(payload)} bytes (a multiple of 6)", ErrorCode.FRAME_SIZE_ERROR)
+        self._spend("SETTINGS frames")
+        values = [_SETTING.unpack_from(payload, at) for at in range(0, len(payload), 6)]
+        for ident, value in values:
+            if ident in (_ENABLE_PUSH, _ENABLE_CONNECT_PROTOCOL) and value > 1:
+                self._fail(f"SETTINGS {ident:#x} of {value} (0 or 1)", ErrorCode.PROTOCOL_ERROR)
+            elif ident == _INITIAL_WINDOW_SIZE and value > _MAX_WINDOW:
+                self._fail(f"SETTINGS_INITIAL_WINDOW_SIZE of {value}", ErrorCode.FLOW_CONTROL_ERROR)
+            elif ident == _MAX_FRAME_SIZE and not _DEFAULT_FRAME_SIZE <= value <= 2**24 - 1:
+                self._fail(f"SETTINGS_MAX_FRAME_SIZE of {value}", ErrorCode.PROTOCOL_ERROR)
+        max_streams: int | None = None
+        window_changed = False
+        for ident, value in values:
+            if ident == _INITIAL_WINDOW_SIZE:
+                self._initial_window_changed(value - self._peer_initial_window)
+                self._peer_initial_window = value
+                window_changed = True
+            elif ident == _MAX_FRAME_SIZE:
+                self._peer_max_frame = value
+            elif ident == _MAX_CONCURRENT_STREAMS:
+                self._peer_max_streams = max_streams = value
+            elif ident == _HEADER_TABLE_SIZE:
+                self._encoder.header_table_size = value  # the next block we encode starts with a size update
+            # SETTINGS_MAX_HEADER_LIST_SIZE is advisory (our blocks are a few hundred bytes); others are unknown.
+        self._out += _HEADER.pack(SETTINGS, FLAG_ACK, 0)
+        events.append(RemoteSettingsChanged(max_streams))
+        if window_changed:
+            events.append(WindowOpened(0))
+
+    def _ping_frame(self, events: list[Event], stream_id: int, flags: int, payload: memoryview) -> None:
+        if stream_id:
+            self._fail(f"PING on stream {stream_id}", ErrorCode.PROTOCOL_ERROR)
+        if len(payload) != 8:
+            self._fail(f"PING of {len(payload)} bytes (8)", ErrorCode.FRAME_SIZE_ERROR)
+        if flags & FLAG_ACK:
+            events.append(PingAcked(bytes(payload)))
+            return
+        self._spend("PING frames")
+        self._out += _HEADER.pack(8 << 8 | PING, FLAG_ACK, 0)
+        self._out += payload
+
+    def _initial_window_changed(self, delta: int) -> None:
+        """RFC 9113 §6.9.2: a new SETTINGS_INITIAL_WINDOW_SIZE moves every open stream's send window by the
+        difference; one pushed over 2^31-1 is a connection error FLOW_CONTROL_ERROR."""
+        for st in self.streams.values():
+            st.send_window += delta
+            if st.send_window > _MAX_WINDOW:
+                self._fail("SETTINGS_INITIAL_WINDOW_SIZE overflows a stream's window", ErrorCode.FLOW_CONTROL_ERROR)
+
+    def _premature_reset(self) -> None:
+        self.premature_resets += 1
+        opened = self.streams_opened
+        if opened >= self.limits.premature_reset_min_streams and self.premature_resets * 2 >= opened:
+            self._fail(
+                f"rapid reset: {self.premature_resets} of {opened} streams reset by the peer before they were answered",
+                ErrorCode.ENHANCE_YOUR_CALM,
+            )
+
+    def _remote_closed(self, stream_id: int) -> None:
+        st = self.streams.get(stream_id)
+        if st is not None:
+            st.remote_closed = True
+            if st.local_closed:
+                del self.streams[stream_id]
+                self._closed_as(stream_id, _ENDED)
+
+    def _fail(self, message: str, code: ErrorCode) -> NoReturn:
+        """A connection error: GOAWAY with ``code`` queued, the connection marked closed, the error raised."""
+        if not self.closed:
+            self.closed = True
+            self._out += _GOAWAY.pack(8 << 8 | GOAWAY, 0, 0, self._highest_inbound, code)
+        raise HboneProtocolError(message, code)
+
+    def _reset(self, stream_id: int, code: ErrorCode) -> StreamReset:
+        """A stream error on an open stream: RST_STREAM sent, the stream closed; the event tells its consumer."""
+        self.streams.pop(stream_id, None)
+        self._ack_ready.discard(stream_id)
+        self._refuse(stream_id, code)
+        return StreamReset(stream_id, code)
+
+    def _refuse(self, stream_id: int, code: ErrorCode) -> None:
+        self._closed_as(stream_id, _RESET_BY_US)
+        self._out += _RST_STREAM.pack(4 << 8 | RST_STREAM, 0, stream_id, code)
+
     def _start_data(self, events: list[Event], pos: int, length: int, flags: int, stream_id: int) -> int:
-        st: _Stream | None = self.streams[stream_id]
-        assert st is not None
-        if st.remote_closed or length > st.recv_window:
-            # DATA after END_STREAM (RFC 9113 §5.1) or beyond the window (§6.9): a stream error. The payload is
-            # still read off the connection (and counted against its window), then dropped.
-            self._fail_stream(stream_id, ErrorCode.STREAM_CLOSED if st.remote_closed else ErrorCode.FLOW_CONTROL_ERROR)
+        st = self.streams.get(stream_id)
+        if st is None:
+            if not stream_id:
+                self._fail("DATA on stream 0", ErrorCode.PROTOCOL_ERROR)
+            if self._idle(stream_id):
+                self._fail(f"DATA on idle stream {stream_id}", ErrorCode.PROTOCOL_ERROR)
+            # A closed stream: RST_STREAM STREAM_CLOSED, as h2 answers it (however it closed). The payload is read
+            # off the connection (and counted against its window) and dropped. DATA that was in flight when we
+            # reset the stream is expected (a stream window can be hundreds of frames); other DATA costs budget.
+            if self._closed.get(stream_id) != _RESET_BY_US:
+                self._spend("DATA frames on closed streams")
+            self._out += _RST_STREAM.pack(4 << 8 | RST_STREAM, 0, stream_id, ErrorCode.STREAM_CLOSED)
+        elif st.remote_closed or length > st.recv_window or (self.client_side and not st.responded):
+            # DATA after END_STREAM (RFC 9113 §5.1), beyond the window (§6.9), or before the response (§8.1.1: a
+            # malformed response): a stream error. The payload is still read off the connection (and counted
+            # against its window), then dropped.
+            self._spend("stream errors")
+            if st.remote_closed:
+                code = ErrorCode.STREAM_CLOSED
+            elif length > st.recv_window:
+                code = ErrorCode.FLOW_CONTROL_ERROR
+            else:
+                code = ErrorCode.PROTOCOL_ERROR
+            events.append(self._reset(stream_id, code))
             st = None
         else:
+            if length == 0 and not flags & FLAG_END_STREAM:
+                self._spend("empty DATA frames")
             st.recv_window -= length  # flow control counts the whole payload, padding included
         self._conn_unacked += length
         self._data_stream = stream_id
@@ -611,145 +931,11 @@ class HboneConnection:
 
     def _finish_data(self, events: list[Event]) -> None:
         st = self._data_state
-        stream_id = self._data_stream
         self._data_state = None
         if st is not None and self._data_end_stream:
-            st.remote_closed = True
-            # Tell h2 the stream ended with an empty END_STREAM frame so its state machine moves on: handed to its
-            # frame handler directly when we may (no serialize and re-parse; thirdparty.H2_END_STREAM).
-            if self._end_stream_direct:
-                try:
-                    h2_events = thirdparty.h2_end_stream_received(self.h2, stream_id)
-                except h2.exceptions.ProtocolError as e:
-                    self._h2_failed(e)
-                events.extend(self._translate(h2_events))
-            else:
-                events.extend(self._to_h2(_HEADER.pack(DATA, FLAG_END_STREAM, stream_id)))
-
-    def _opens_exchange(self, stream_id: int) -> bool:
-        """Whether a HEADERS frame on ``stream_id`` is one h2 would take as a new request (server) or the first
-        response to our request (client), never as a frame on a closed stream (which h2 answers its own way)."""
-        if self.client_side:
-            stream = self.h2.streams.get(stream_id)
-            if stream is None:
-                return False
-            machine = stream.state_machine
-            return not machine.headers_received and machine.state in _AWAITING_RESPONSE
-        return stream_id & 1 == 1 and stream_id > self.h2.highest_inbound_stream_id and stream_id not in self.h2.streams
-
-    def _headers_frame(self, stream_id: int, block: bytes, flags: int) -> list[Event]:
-        try:
-            h2_events = thirdparty.h2_headers_received(
-                self.h2, stream_id, block, bool(flags & FLAG_END_STREAM), decode_plain_block
-            )
-        except h2.exceptions.ProtocolError as e:
-            self._h2_failed(e)
-        return self._translate(h2_events)
-
-    def _to_h2(self, frames: bytes | memoryview) -> list[Event]:
-        try:
-            h2_events = self.h2.receive_data(frames)
-        except h2.exceptions.ProtocolError as e:
-            self._h2_failed(e)
-        return self._translate(h2_events)
-
-    def _h2_failed(self, e: h2.exceptions.ProtocolError) -> NoReturn:
-        self.closed = True
-        code = getattr(e, "error_code", ErrorCode.PROTOCOL_ERROR)
-        raise HboneProtocolError(f"HTTP/2 protocol error ({type(e).__name__}): {e}", ErrorCode(int(code))) from None
-
-    def _translate(self, h2_events: Iterable[h2.events.Event]) -> list[Event]:
-        out: list[Event] = []
-        for ev in h2_events:
-            if isinstance(ev, h2.events.RequestReceived):
-                if self.goaway_sent is not None and ev.stream_id > self.goaway_sent:
-                    self.reset_stream(ev.stream_id, ErrorCode.REFUSED_STREAM)  # after our GOAWAY: not processed
-                    continue
-                # Counted here, request by request (h2 has seen the whole batch of frames already).
-                limit = self.settings.max_concurrent_streams
-                if limit is not None and len(self.streams) >= limit:
-                    self._fail_stream(ev.stream_id, ErrorCode.REFUSED_STREAM)
-                    continue
-                problem = _request_problem(ev.headers)
-                if problem is not None:
-                    if problem.startswith(_UNKNOWN_PSEUDO):  # a connection error in the h2 crate too
-                        self._fail(f"malformed request on stream {ev.stream_id}: {problem}", ErrorCode.PROTOCOL_ERROR)
-                    self.malformed_requests += 1
-                    self._fail_stream(ev.stream_id, ErrorCode.PROTOCOL_ERROR)
-                    out.append(RequestRefused(ev.stream_id, problem))
-                    continue
-                headers = _decode_headers(ev.headers)
-                self.streams[ev.stream_id] = _Stream(recv_window=self.settings.stream_window)
-                self.streams_opened += 1
-                out.append(
-                    ConnectRequested(ev.stream_id, headers.pop(":method", ""), headers.pop(":authority", ""), headers)
-                )
-                if ev.stream_ended is not None:
-                    self.streams[ev.stream_id].remote_closed = True
-                    out.append(StreamEnded(ev.stream_id))
-            elif isinstance(ev, h2.events.ResponseReceived):
-                headers = _decode_headers(ev.headers)
-                status = headers.pop(":status", "0")
-                out.append(ConnectResponded(ev.stream_id, int(status) if status.isdigit() else 0, headers))
-                if ev.stream_ended is not None:
-                    self._remote_closed(ev.stream_id)
-                    out.append(StreamEnded(ev.stream_id))
-            elif isinstance(ev, h2.events.StreamEnded):
-                self._remote_closed(ev.stream_id)
-                out.append(StreamEnded(ev.stream_id))
-            elif isinstance(ev, h2.events.StreamReset):
-                st = self.streams.pop(ev.stream_id, None)
-                if st is not None and not self.client_side and not st.responded:
-                    self._premature_reset()
-                out.append(StreamReset(ev.stream_id, int(ev.error_code or 0)))
-            elif isinstance(ev, h2.events.WindowUpdated):
-                out.append(WindowOpened(ev.stream_id or 0))
-            elif isinstance(ev, h2.events.PingAckReceived):
-                out.append(PingAcked(bytes(ev.ping_data or b"")))
-            elif isinstance(ev, h2.events.ConnectionTerminated):
-                code, last = int(ev.error_code or 0), int(ev.last_stream_id or 0)
-                g = GoAwayReceived(code, last, bytes(ev.additional_data or b""))
-                self.goaway_received = g
-                out.append(g)
-            elif isinstance(ev, h2.events.RemoteSettingsChanged):
-                changed = ev.changed_settings.get(h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS)
-                out.append(RemoteSettingsChanged(changed.new_value if changed is not None else None))
-                if h2.settings.SettingCodes.INITIAL_WINDOW_SIZE in ev.changed_settings:
-                    out.append(WindowOpened(0))
-            elif isinstance(ev, h2.events.DataReceived) and ev.flow_controlled_length:
-                # Only reached for DATA on streams the fast path does not track: give h2 its window back.
-                self.h2.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
-            # TrailersReceived, PriorityUpdated, SettingsAcknowledged, ... need nothing from a tunnel.
-        return out
-
-    def _premature_reset(self) -> None:
-        self.premature_resets += 1
-        opened = self.streams_opened
-        if opened >= self.limits.premature_reset_min_streams and self.premature_resets * 2 >= opened:
-            self._fail(
-                f"rapid reset: {self.premature_resets} of {opened} streams reset by the peer before they were answered",
-                ErrorCode.ENHANCE_YOUR_CALM,
-            )
-
-    def _remote_closed(self, stream_id: int) -> None:
-        st = self.streams.get(stream_id)
-        if st is not None:
-            st.remote_closed = True
-            if st.local_closed:
-                del self.streams[stream_id]
-
-    def _fail(self, message: str, code: ErrorCode) -> None:
-        self.closed = True
-        self.h2.close_connection(error_code=code)
-        raise HboneProtocolError(message, code)
-
-    def _fail_stream(self, stream_id: int, code: ErrorCode) -> None:
-        # The frame's bytes are still consumed (and counted against the connection window) by the caller.
-        self.streams.pop(stream_id, None)
-        _remember(self._reset_by_us, stream_id)
-        self._spend("stream errors")  # each one costs us a RST_STREAM
-        with contextlib.suppress(h2.exceptions.ProtocolError):
-            self.h2.reset_stream(stream_id, error_code=code)
+            stream_id = self._data_stream
+            self._remote_closed(stream_id)
+            events.append(StreamEnded(stream_id))
 
     # -- flow control ----------------------------------------------------------------------------------------
 
@@ -786,52 +972,62 @@ class HboneConnection:
     def send_connect(self, authority: str, headers: Iterable[tuple[str, str]] = (), method: str = "CONNECT") -> int:
         """Client: open a tunnel to ``authority`` (``ip:port``). Returns the stream id.
 
-        ``method`` exists for conformance tests of servers (a non-CONNECT request must get a 400).
-        """
-        stream_id = self.h2.get_next_available_stream_id()
+        ``method`` exists for conformance tests of servers (a non-CONNECT request must get a 400). Raises
+        :class:`StreamLimitError` when no stream can be opened now."""
+        if self.closed:
+            raise StreamLimitError("the HTTP/2 connection has failed")
+        limit = self._peer_max_streams
+        if len(self.streams) >= limit:
+            raise StreamLimitError(f"the peer allows {limit} concurrent streams, {len(self.streams)} are open")
+        stream_id = self._next_stream_id
+        if stream_id > _MAX_STREAM_ID:
+            raise StreamLimitError("stream ids exhausted on this connection")
+        self._next_stream_id = stream_id + 2
         block = [(":method", method), (":authority", authority)]
         if method != "CONNECT":
             block += [(":scheme", "https"), (":path", "/")]
-        block += list(headers)
-        if self._headers_direct:
-            # h2's send_headers without its frame objects and header pipeline (thirdparty.H2_HEADERS).
-            thirdparty.h2_headers_sent(
-                self.h2, stream_id, block, False, method.encode(), authority.encode(), encode_header_block
-            )
-        else:
-            self.h2.send_headers(stream_id, block)
-        self.streams[stream_id] = _Stream(recv_window=self.settings.stream_window)
+        block += headers
+        self._send_headers(stream_id, block, 0)
+        self.streams[stream_id] = _Stream(self.settings.stream_window, self._peer_initial_window)
         return stream_id
 
     def send_response(
         self, stream_id: int, status: int, headers: Iterable[tuple[str, str]] = (), end_stream: bool = False
     ) -> None:
-        """Server: answer a CONNECT. A non-200 status ends the stream (upstream sends errors with END_STREAM)."""
-        block = [(":status", str(status)), *headers]
-        try:
-            if self._headers_direct and status >= 200:
-                # h2's send_headers without its frame objects and header pipeline (thirdparty.H2_HEADERS); an
-                # informational response goes through h2, which tells it apart.
-                thirdparty.h2_headers_sent(self.h2, stream_id, block, end_stream, None, None, encode_header_block)
-            else:
-                self.h2.send_headers(stream_id, block, end_stream=end_stream)
-        except h2.exceptions.ProtocolError:
-            # The client reset the stream (or the connection closed) while we were deciding: nothing to answer.
-            self.streams.pop(stream_id, None)
-            return
+        """Server: answer a CONNECT. A non-200 status ends the stream (upstream sends errors with END_STREAM).
+        Nothing is sent on a stream that is no longer open (the client reset it, or the connection failed)."""
         st = self.streams.get(stream_id)
-        if st is not None:
+        if st is None or st.local_closed or self.closed:
+            return
+        self._send_headers(stream_id, [(":status", str(status)), *headers], FLAG_END_STREAM if end_stream else 0)
+        if status >= 200:
             st.responded = True
         if end_stream:
             self._local_closed(stream_id)
 
+    def _send_headers(self, stream_id: int, headers: list[tuple[str, str]], flags: int) -> None:
+        """A header block as HEADERS (+ CONTINUATIONs past the peer's frame size) queued for the wire."""
+        block = encode_header_block(self._encoder, headers)
+        size = self._peer_max_frame
+        out = self._out
+        if len(block) <= size:
+            out += _HEADER.pack(len(block) << 8 | HEADERS, flags | FLAG_END_HEADERS, stream_id)
+            out += block
+            return
+        out += _HEADER.pack(size << 8 | HEADERS, flags, stream_id)
+        out += block[:size]
+        for at in range(size, len(block), size):
+            piece = block[at : at + size]
+            last = at + size >= len(block)
+            out += _HEADER.pack(len(piece) << 8 | CONTINUATION, FLAG_END_HEADERS if last else 0, stream_id)
+            out += piece
+
     def send_window(self, stream_id: int) -> int:
         """How many payload bytes may be sent on ``stream_id`` now (flow control and frame size)."""
-        try:
-            window = self.h2.local_flow_control_window(stream_id)
-        except (h2.exceptions.StreamClosedError, h2.exceptions.NoSuchStreamError):
+        st = self.streams.get(stream_id)
+        if st is None or st.local_closed:
             return 0
-        return min(window, self.h2.max_outbound_frame_size)
+        return min(st.send_window, self._send_window, self._peer_max_frame)
 
     def frame_data(self, stream_id: int, buf: bytearray | memoryview, offset: int, length: int) -> int:
         """Frame ``buf[offset:offset+length]`` as DATA, writing the header into ``buf[offset-9:offset]``.
@@ -842,33 +1038,30 @@ class HboneConnection:
         st = self.streams.get(stream_id)
         if st is None or st.local_closed:
             return 0
-        n = min(length, self.send_window(stream_id))
+        n = min(length, st.send_window, self._send_window, self._peer_max_frame)
         if n <= 0:
             return 0
         _HEADER.pack_into(buf, offset - FRAME_HEADER_SIZE, n << 8 | DATA, 0, stream_id)
-        # Charge h2's windows exactly as H2Connection.send_data would.
-        self.h2.outbound_flow_control_window -= n
-        self.h2.streams[stream_id].outbound_flow_control_window -= n
+        self._send_window -= n
+        st.send_window -= n
         return n
 
     def end_stream(self, stream_id: int) -> None:
         """Half-close our side: an empty DATA frame with END_STREAM (upstream's write shutdown)."""
         st = self.streams.get(stream_id)
-        if st is None or st.local_closed:
+        if st is None or st.local_closed or self.closed:
             return
-        with contextlib.suppress(h2.exceptions.ProtocolError):
-            if self._end_stream_direct:
-                # h2's end_stream without its DataFrame built and serialized (thirdparty.H2_END_STREAM).
-                thirdparty.h2_end_stream_sent(self.h2, stream_id, _HEADER.pack(DATA, FLAG_END_STREAM, stream_id))
-            else:
-                self.h2.end_stream(stream_id)
+        self._out += _HEADER.pack(DATA, FLAG_END_STREAM, stream_id)
         self._local_closed(stream_id)
 
     def reset_stream(self, stream_id: int, code: ErrorCode = ErrorCode.CANCEL) -> None:
-        self.streams.pop(stream_id, None)
-        _remember(self._reset_by_us, stream_id)
-        with contextlib.suppress(h2.exceptions.ProtocolError):  # a stream or connection already closed
-            self.h2.reset_stream(stream_id, error_code=code)
+        """Reset a stream (RST_STREAM ``code``); nothing is sent for one already closed, or on a failed
+        connection."""
+        st = self.streams.pop(stream_id, None)
+        if self.closed or (st is None and (stream_id in self._closed or self._idle(stream_id))):
+            return
+        self._ack_ready.discard(stream_id)
+        self._refuse(stream_id, code)
 
     def _local_closed(self, stream_id: int) -> None:
         st = self.streams.get(stream_id)
@@ -876,44 +1069,56 @@ class HboneConnection:
             st.local_closed = True
             if st.remote_closed:
                 del self.streams[stream_id]
+                self._closed_as(stream_id, _ENDED)
 
     def ping(self, data: bytes = b"ztunnel!") -> None:
-        self.h2.ping(data)
+        """Queue a PING with ``data`` (8 bytes); its ACK arrives as :class:`PingAcked`."""
+        if len(data) != 8:
+            raise ValueError(f"PING data is 8 bytes, not {len(data)}")
+        self._out += _HEADER.pack(8 << 8 | PING, 0, 0)
+        self._out += data
 
     def goaway(self, code: ErrorCode = ErrorCode.NO_ERROR) -> None:
-        """Tell the peer no new streams will be accepted; open ones may finish (graceful drain).
-
-        The frame is written here rather than with ``H2Connection.close_connection``: h2 treats that as the end
-        of the connection and refuses to send anything more, while a graceful GOAWAY lets open streams finish.
-        """
+        """Tell the peer no new streams will be accepted; open ones may finish (graceful drain)."""
         if self.goaway_sent is not None:
             return
-        last = self.h2.highest_inbound_stream_id
+        last = self._highest_inbound
         self.goaway_sent = last
-        self._out += _GOAWAY.pack(8 << 8 | 0x7, 0, 0, last, code)
+        self._out += _GOAWAY.pack(8 << 8 | GOAWAY, 0, 0, last, code)
 
     @property
     def open_streams(self) -> int:
         return len(self.streams)
 
     def data_to_send(self) -> bytes:
-        """Everything queued for the wire before the next DATA frame: h2's frames, then batched window updates."""
+        """Everything queued for the wire before the next DATA frame, in the order it was made (the preface and
+        SETTINGS first), then batched window updates."""
         self._send_window_updates()
-        pending = self.h2.data_to_send()
-        if self._out:
-            pending += self._out
-            self._out = bytearray()
-        return pending
+        out = self._out
+        if not out:
+            return b""
+        self._out = bytearray()
+        return bytes(out)
 
 
-def _remember(recent: dict[int, None], stream_id: int) -> None:
-    recent[stream_id] = None
-    if len(recent) > _RECENT_RESETS:
-        del recent[next(iter(recent))]
+def _frame_name(ftype: int) -> str:
+    return _FRAME_NAMES.get(ftype, f"type {ftype:#x}")
 
 
-# h2 stream states in which our request is out and its response may come.
-_AWAITING_RESPONSE = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
+_FRAME_NAMES = {
+    DATA: "DATA",
+    HEADERS: "HEADERS",
+    PRIORITY: "PRIORITY",
+    RST_STREAM: "RST_STREAM",
+    SETTINGS: "SETTINGS",
+    PUSH_PROMISE: "PUSH_PROMISE",
+    PING: "PING",
+    GOAWAY: "GOAWAY",
+    WINDOW_UPDATE: "WINDOW_UPDATE",
+    CONTINUATION: "CONTINUATION",
+}
+
+
 _REQUEST_PSEUDO = frozenset({b":method", b":scheme", b":authority", b":path", b":protocol"})
 # RFC 9113 §8.2.2: connection-specific fields make a request malformed.
 _CONNECTION_SPECIFIC = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"})
@@ -960,13 +1165,83 @@ def _request_problem(raw: Iterable[tuple[bytes | str, bytes | str]]) -> str | No
     return None
 
 
-def _decode_headers(raw: Iterable[tuple[bytes | str, bytes | str]]) -> dict[str, str]:
+def _decode_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    """Header fields by name (the last of repeated ones), crumbs of a split ``cookie`` joined with "; " (RFC 9113
+    §8.2.3, as h2 joins them)."""
     out: dict[str, str] = {}
     for k, v in raw:
-        key = k.decode("ascii", "replace") if isinstance(k, bytes) else k
-        value = v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+        key = k.decode("ascii", "replace")
+        value = v.decode("utf-8", "replace")
+        if key == "cookie" and key in out:
+            value = out[key] + "; " + value
         out[key] = value
     return out
+
+
+# A header name of lowercase token characters (RFC 9110 §5.6.2; no colon, no upper case) and a value of visible ASCII
+# and inner spaces/tabs that neither starts nor ends with whitespace: what h2's validate_headers accepts of each field
+# of a response (its rules: RFC 9113 §8.2.1), in a form a regular expression checks at C speed.
+_PLAIN_NAME = re.compile(rb"[a-z0-9!#$%&'*+\-.^_`|~]+")
+_PLAIN_VALUE = re.compile(rb"(?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?")
+_RESPONSE_PSEUDO = frozenset({b":method", b":scheme", b":authority", b":path", b":protocol", b":status"})
+
+
+def plainly_valid_response(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a received response's header list is certainly valid (one ``:status`` first, no other pseudo-header,
+    plain lowercase names, no connection-specific field or TE, values of visible ASCII not surrounded by
+    whitespace): two C regex matches per field. False means "check it with :func:`_response_problem`", not
+    "invalid"."""
+    if not headers or headers[0][0] != b":status" or not _PLAIN_VALUE.fullmatch(headers[0][1]):
+        return False
+    for name, value in headers[1:]:
+        if (
+            not _PLAIN_NAME.fullmatch(name)
+            or not _PLAIN_VALUE.fullmatch(value)
+            or name in _CONNECTION_SPECIFIC
+            or name == b"te"
+        ):
+            return False
+    return True
+
+
+def _response_problem(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """Why a response's header list is malformed (RFC 9113 §8.2, §8.3.2), or None: what h2 checks of a response
+    when it validates inbound headers (``h2.utilities.validate_headers``; tests/proxy/hbone/test_stream_states.py
+    holds the two to the same verdicts)."""
+    pseudo: set[bytes] = set()
+    regular = False
+    for name, value in headers:
+        if not name:
+            return "empty header name"
+        for c in name:
+            if 0x41 <= c <= 0x5A or c <= 0x20 or c >= 0x7F:
+                return f"header name {name!r} has an upper-case or illegal character"
+        if name.find(b":", 1) != -1:
+            return f"header name {name!r} has a colon"
+        if value:
+            if b"\0" in value or b"\n" in value or b"\r" in value:
+                return f"header {name!r} has CR, LF or NUL in its value"
+            if value[0] in b" \t" or value[-1] in b" \t":
+                return f"header {name!r} has a value surrounded by whitespace"
+        if name == b"te" and value.lower() != b"trailers":
+            return "TE other than trailers"
+        if name in _CONNECTION_SPECIFIC:
+            return f"connection-specific header {name!r}"
+        if name[0] == 0x3A:  # ':'
+            if name in pseudo:
+                return f"duplicate {name!r}"
+            if regular:
+                return f"pseudo-header {name!r} after a regular header"
+            if name not in _RESPONSE_PSEUDO:
+                return f"{_UNKNOWN_PSEUDO} {name!r}"
+            pseudo.add(name)
+        else:
+            regular = True
+    if b":status" not in pseudo:
+        return "no :status"
+    if len(pseudo) > 1:
+        return f"request pseudo-headers {sorted(pseudo - {b':status'})!r} in a response"
+    return None
 
 
 # -- header blocks -------------------------------------------------------------------------------------------------
@@ -976,7 +1251,7 @@ def _decode_headers(raw: Iterable[tuple[bytes | str, bytes | str]]) -> dict[str,
 # stream on both sides. A block of literals *without indexing* (RFC 7541 §6.2.2) leaves both dynamic tables alone,
 # costs only byte concatenation here and a table-free decode there, and is valid for every HPACK decoder (Rust h2,
 # Envoy). Fields in the static table whole (":status: 200") are sent as their one-byte index. Plain octets, no
-# Huffman, as thirdparty.HPACK_PLAIN_LITERALS already does for hpack's own encoding.
+# Huffman: hpack's pure-Python Huffman decoder was the largest single cost of a CONNECT on the receiving side.
 
 
 def _hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
@@ -1034,9 +1309,10 @@ def literal_header_block(headers: Iterable[tuple[str, str]]) -> bytes:
 def encode_header_block(encoder: hpack.Encoder, headers: list[tuple[str, str]]) -> bytes:
     """The header block for ``headers`` on a connection whose HPACK encoder is ``encoder``: literal (see
     :func:`literal_header_block`) unless the peer changed the dynamic table size and the encoder owes it a size
-    update (RFC 7541 §4.2, at the start of the next block), which hpack's own encoding then carries."""
+    update (RFC 7541 §4.2, at the start of the next block), which hpack's own encoding then carries (values as
+    plain literals: hpack's pure-Python Huffman coding costs more than the few bytes it saves)."""
     if encoder.header_table.resized:
-        return bytes(encoder.encode(headers))
+        return bytes(encoder.encode(headers, huffman=False))
     return literal_header_block(headers)
 
 
