@@ -80,7 +80,7 @@ def installed_version(distribution: str) -> str | None:
 HPACK_DEBUG_LOG = Patch(
     name="hpack.hpack.log (a no-op logger)",
     distribution="hpack",
-    lowest=(4, 0),  # h2 4.1 (pyproject's lowest) needs hpack>=4.0; checked in 4.0.0 and 4.2.0
+    lowest=(4, 0),  # pyproject's lowest hpack; checked in 4.0.0 and 4.2.0
     below=(5,),
     required=False,  # speed only: without it hpack logs nothing either (DEBUG is off), it just costs more
     without="hpack's per-field DEBUG calls stay (~5% of a proxy's CPU per new connection)",
