@@ -216,6 +216,20 @@ def _build_traffic_labels(
     return tuple(labels)
 
 
+class _Series:
+    """The children of one label set: opened, sent and received made when the first connection opens with it,
+    closed when the first one closes (a series is only exported once something was counted in it)."""
+
+    __slots__ = ("closed", "labels", "opened", "received", "sent")
+
+    def __init__(self, labels: Labels, opened: Child, sent: Child, received: Child) -> None:
+        self.labels = labels
+        self.opened = opened
+        self.sent = sent
+        self.received = received
+        self.closed: Child | None = None
+
+
 @dataclass(slots=True)
 class ConnectionMetrics:
     """The children of one connection, and what has been counted so far."""
@@ -223,6 +237,7 @@ class ConnectionMetrics:
     labels: Labels
     sent: Child
     received: Child
+    series: _Series | None = None  # its label set's children (the closed one is found there)
     counted_sent: int = 0
     counted_received: int = 0
 
@@ -249,6 +264,14 @@ class TrafficMetrics:
             "istio_on_demand_dns", "The total number of requests that used on-demand DNS (unstable)"
         )
         self._on_demand: dict[tuple[int, str], tuple[Workload, Child]] = {}
+        # The four children (opened, closed, sent, received) of recent label sets, keyed by the identity of the
+        # labels tuple (traffic_labels hands out the same tuple for the same connection shape; the entry holds it,
+        # so an id is never reused while cached). A family's own lookup hashes the whole 27-pair tuple each time
+        # (tuples do not cache their hash): four lookups and Python calls per connection and side before, one
+        # dict probe now. Children are never removed from a family, so a cached one is always the live series.
+        self._series: dict[int, _Series] = {}
+        # istio_tcp_sockets_open's children by reporter ("source", "destination"): one per accepted socket.
+        self._sockets: dict[str, Child] = {}
 
     def on_demand_dns(self, source: Workload, hostname: str) -> None:
         """A connection whose destination was known only by hostname, resolved on demand (upstream
@@ -282,17 +305,30 @@ class TrafficMetrics:
         it carries, including one still in its TLS handshake or waiting for xDS, and none for the sockets ztunnel
         opens itself. ``reporter`` is ``source`` (15001, SOCKS5) or ``destination`` (15006, 15008). Returns the
         child; the caller takes 1 off its ``value`` when the socket closes (:class:`OpenSocket`)."""
-        child = self.sockets_open.child((("reporter", reporter),))
+        child = self._sockets.get(reporter)
+        if child is None:
+            child = self._sockets[reporter] = self.sockets_open.child((("reporter", reporter),))
         child.value += 1
         return child
 
     def socket_closed(self, reporter: str) -> None:
         """An accepted socket counted by :meth:`socket_opened` closed."""
-        self.sockets_open.child((("reporter", reporter),)).value -= 1
+        child = self._sockets.get(reporter)
+        if child is None:
+            child = self._sockets[reporter] = self.sockets_open.child((("reporter", reporter),))
+        child.value -= 1
 
     def open(self, labels: Labels) -> ConnectionMetrics:
-        self.opened.child(labels).value += 1
-        return ConnectionMetrics(labels, self.sent.child(labels), self.received.child(labels))
+        """A connection with ``labels`` opened: counted, and its children kept for its bytes and its close."""
+        series = self._series.get(id(labels))
+        if series is None or series.labels is not labels:
+            if len(self._series) >= _LABEL_CACHE_SIZE:
+                self._series.clear()
+            series = self._series[id(labels)] = _Series(
+                labels, self.opened.child(labels), self.sent.child(labels), self.received.child(labels)
+            )
+        series.opened.value += 1
+        return ConnectionMetrics(labels, series.sent, series.received, series)
 
     def flush(self, m: ConnectionMetrics, sent: int, received: int) -> None:
         m.sent.value += sent - m.counted_sent
@@ -300,7 +336,16 @@ class TrafficMetrics:
         m.counted_sent, m.counted_received = sent, received
 
     def close(self, m: ConnectionMetrics, sent: int, received: int, flag: ResponseFlag) -> None:
-        self.flush(m, sent, received)
+        m.sent.value += sent - m.counted_sent
+        m.received.value += received - m.counted_received
+        m.counted_sent, m.counted_received = sent, received
+        series = m.series
+        if flag is ResponseFlag.NONE and series is not None:
+            closed = series.closed
+            if closed is None:
+                closed = series.closed = self.closed.child(m.labels)
+            closed.value += 1
+            return
         labels = m.labels
         if flag is not ResponseFlag.NONE:
             labels = tuple((k, flag.value) if k == "response_flags" else (k, v) for k, v in labels)

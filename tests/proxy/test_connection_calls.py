@@ -1,0 +1,128 @@
+"""Python calls per connection outside the HBONE core, counted exactly (cProfile call counts, no clock read).
+
+Two in-process ztunnels (node A: SOCKS5 in, HBONE out; node B: HBONE in, the app out) and an echo app on the
+test's loop; 30 connections of SOCKS5 + 1-byte echo + close after five warm-up ones (pool, certificates,
+caches), profiled together. The counts are per connection for both nodes; each bound is one a change in
+``bench/README.md`` ("Optimisations", issue 17: per-connection Python outside the HBONE core) brought it to, and
+each was above it before. The anchors check the profile saw the connections at all, so no bound passes by
+measuring nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import cProfile
+import pstats
+from pathlib import Path
+
+import pytest
+import uvloop
+
+from ztunnel.testing import (
+    NODE_A_IP,
+    NODE_B_IP,
+    SERVER_APP,
+    SERVICE_VIP,
+    EchoServer,
+    node_env,
+    running_app,
+    socks5_connect,
+)
+
+N = 30
+# (file, function name) -> calls per connection, both nodes together.
+Counts = dict[tuple[str, str], float]
+
+
+async def _one() -> None:
+    reader, writer = await socks5_connect((NODE_A_IP, 15080), *SERVICE_VIP)
+    writer.write(b"x")
+    assert await asyncio.wait_for(reader.readexactly(1), 10) == b"x"
+    writer.close()
+    await writer.wait_closed()
+
+
+async def _profiled(ca: Path) -> cProfile.Profile:
+    prof = cProfile.Profile()
+    echo = await EchoServer().start(*SERVER_APP)
+    try:
+        async with (
+            running_app(node_env("node-a", NODE_A_IP, "default/client/client", ca, RUST_LOG="warn")),
+            running_app(node_env("node-b", NODE_B_IP, "default/server/server", ca, RUST_LOG="warn")),
+        ):
+            for _ in range(5):
+                await _one()
+            await asyncio.sleep(0.1)
+            prof.enable()
+            for _ in range(N):
+                await _one()
+            await asyncio.sleep(0.1)  # both nodes finish closing the last connection
+            prof.disable()
+    finally:
+        await echo.stop()
+    return prof
+
+
+@pytest.fixture(scope="module")
+def counts(tmp_path_factory: pytest.TempPathFactory) -> Counts:
+    """Calls per connection, on uvloop as the product runs (a loop of its own: the fixture is module-wide)."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        prof = runner.run(_profiled(tmp_path_factory.mktemp("calls") / "ca"))
+    out: Counts = {}
+    for (file, _line, name), (_cc, nc, *_rest) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
+        # ztunnel's own files by their path in the package (ztunnel/metrics.py is not ztunnel/proxy/metrics.py),
+        # the rest (the standard library's ipaddress, contextlib ...) by file name.
+        parts = Path(file).parts
+        key = ("/".join(parts[parts.index("ztunnel") :]) if "ztunnel" in parts else parts[-1] if parts else file, name)
+        out[key] = out.get(key, 0.0) + nc / N
+    return out
+
+
+def _calls(counts: Counts, file: str, name: str | None = None) -> float:
+    return sum(v for (f, n), v in counts.items() if f == file and (name is None or n == name))
+
+
+def test_the_profile_saw_every_connection(counts: Counts) -> None:
+    """Anchors: one SOCKS5 handshake accepted per connection, one CONNECT served on node B, one app connect."""
+    assert _calls(counts, "ztunnel/proxy/socks5.py", "connection_made") == pytest.approx(1.0), counts
+    assert _calls(counts, "ztunnel/proxy/inbound.py", "_on_request") == pytest.approx(1.0), counts
+    assert _calls(counts, "ztunnel/proxy/connect.py", "connect_plain") >= 1.0, counts
+
+
+def test_metric_series_are_found_once_per_label_set(counts: Counts) -> None:
+    """The four istio_tcp_* children of a label set, and the sockets-open child of a reporter, are kept together:
+    no ``Family.child`` lookup (a Python call hashing the whole 27-pair label tuple) per connection. It was 9 (node
+    A: opened, sent, received, closed and sockets open; node B the first four)."""
+    assert _calls(counts, "ztunnel/metrics.py", "child") == 0, counts
+
+
+def test_dump(counts: Counts) -> None:
+    rows = sorted(counts.items(), key=lambda kv: -kv[1])
+    lane = (
+        "socks5.py",
+        "outbound.py",
+        "inbound.py",
+        "connect.py",
+        "relay.py",
+        "connection_manager.py",
+        "metrics.py",
+        "sockets.py",
+        "telemetry.py",
+        "listener.py",
+        "common.py",
+        "upstream.py",
+        "service.py",
+        "ipaddress.py",
+        "spiffe.py",
+        "contextlib.py",
+        "socket.py",
+        "enum.py",
+        "net.py",
+        "baggage.py",
+        "tasks.py",
+    )
+    for k, v in rows:
+        if k[0].split("/")[-1] in lane:
+            print(f"{v:6.2f} {k}")
+    print("lane total", sum(v for k, v in counts.items() if k[0].split("/")[-1] in lane))
+    print("total", sum(counts.values()))
