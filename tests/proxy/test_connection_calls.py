@@ -96,6 +96,16 @@ def test_metric_series_are_found_once_per_label_set(counts: Counts) -> None:
     assert _calls(counts, "ztunnel/metrics.py", "child") == 0, counts
 
 
+def test_socks5_builds_no_address_objects(counts: Counts) -> None:
+    """The SOCKS5 replies are constants (all name 0.0.0.0:0) and a request's IPv4 destination is parsed once per
+    distinct address: no ipaddress constructor or packing per connection. It was 2 constructors (the request's
+    address, the reply's 0.0.0.0) and a ``packed`` per connection, and ``Socks5Parser.done`` 6 times."""
+    assert _calls(counts, "ipaddress.py", "__init__") == 0, counts
+    assert _calls(counts, "ipaddress.py", "packed") == 0, counts
+    assert _calls(counts, "ztunnel/proxy/socks5.py", "done") == 0, counts
+    assert _calls(counts, "ztunnel/proxy/socks5.py", "reply") == 0, counts
+
+
 def test_dump(counts: Counts) -> None:
     rows = sorted(counts.items(), key=lambda kv: -kv[1])
     lane = (

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import ipaddress
 import logging
 import socket
@@ -86,9 +87,23 @@ Event = MethodSelected | ConnectRequested | Rejected
 
 def reply(code: Reply, bound: tuple[IPAddress, int] | None = None) -> bytes:
     """``VER REP RSV ATYP BND.ADDR BND.PORT``; the bound address defaults to 0.0.0.0:0, as upstream sends."""
-    ip, port = bound if bound is not None else (ipaddress.IPv4Address(0), 0)
+    if bound is None:
+        return _DEFAULT_REPLIES[code]
+    ip, port = bound
     atyp = ATYP_IPV6 if ip.version == 6 else ATYP_IPV4
     return bytes([VERSION, code, 0x00, atyp]) + ip.packed + struct.pack("!H", port)
+
+
+# Every reply the proxy sends names 0.0.0.0:0: made once, not per connection (an IPv4Address, its packing and a
+# struct.pack were 7 Python calls per SOCKS5 connection).
+_DEFAULT_REPLIES = {code: bytes([VERSION, code, 0x00, ATYP_IPV4, 0, 0, 0, 0, 0, 0]) for code in Reply}
+
+
+@functools.lru_cache(maxsize=1024)
+def _ipv4(packed: bytes) -> ipaddress.IPv4Address:
+    # The same few destinations come back on every connection; addresses are immutable values, so a bounded cache
+    # of them is safe to share (ipaddress's constructor is 3 Python calls a request).
+    return ipaddress.IPv4Address(packed)
 
 
 class Socks5Parser:
@@ -103,11 +118,11 @@ class Socks5Parser:
         return self._state in ("done", "failed")
 
     def receive(self, data: bytes) -> list[Event]:
-        if self.done:
+        if self._state in ("done", "failed"):
             return []
         self._buf += data
         events: list[Event] = []
-        while not self.done:
+        while self._state not in ("done", "failed"):
             ev = self._greeting() if self._state == "greeting" else self._request()
             if ev is None:
                 if len(self._buf) > _MAX_BUFFERED:
@@ -152,7 +167,7 @@ class Socks5Parser:
         if atyp == ATYP_IPV4:
             if len(buf) < 10:
                 return None
-            host, end = ipaddress.IPv4Address(bytes(buf[4:8])), 8
+            host, end = _ipv4(bytes(buf[4:8])), 8
         elif atyp == ATYP_IPV6:
             if len(buf) < 22:
                 return None
@@ -203,6 +218,7 @@ def reply_for(error: ProxyError) -> Reply:
 
 
 _METHOD_REPLY = bytes([VERSION, NO_AUTH])
+_SUCCEEDED = reply(Reply.SUCCEEDED)
 
 
 class _Handshake(asyncio.Protocol):
@@ -300,7 +316,7 @@ class Socks5(Listener):
         def ready(error: ProxyError | None) -> None:
             if transport.is_closing():
                 return
-            transport.write(method_reply + (reply(Reply.SUCCEEDED) if error is None else reply(reply_for(error))))
+            transport.write(method_reply + (_SUCCEEDED if error is None else reply(reply_for(error))))
 
         if log.isEnabledFor(logging.DEBUG):
             log.debug("SOCKS5 %s -> %s", format_addr(*src), format_addr(*dst))
