@@ -106,6 +106,17 @@ def test_socks5_builds_no_address_objects(counts: Counts) -> None:
     assert _calls(counts, "ztunnel/proxy/socks5.py", "reply") == 0, counts
 
 
+def test_outbound_routing_looks_each_thing_up_once(counts: Counts) -> None:
+    """Node A's routing of a service-addressed connection: the VIP looked up once (``build_request`` hands its
+    answer to ``fetch_upstream``, which looked it up again), the service's SANs parsed once per SAN string, the
+    CONNECT authority formatted once (for the record and the request), the endpoint's IP picked without lists.
+    Before: 2 VIP lookups, 1 SPIFFE parse, 2 authority formats, 3 list comprehensions in state/upstream.py."""
+    assert _calls(counts, "ztunnel/state/service.py", "get_best_by_vip") == 1, counts
+    assert _calls(counts, "ztunnel/identity/spiffe.py", "parse") == 0, counts
+    assert _calls(counts, "ztunnel/proxy/outbound.py", "authority") == 1, counts
+    assert _calls(counts, "ztunnel/state/upstream.py", "<listcomp>") == 0, counts
+
+
 def test_dump(counts: Counts) -> None:
     rows = sorted(counts.items(), key=lambda kv: -kv[1])
     lane = (

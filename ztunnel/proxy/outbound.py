@@ -147,7 +147,10 @@ def build_request(
                 if waypoint.workload.network != source.network:
                     return _through_network_gateway(state, source, waypoint, service, target, rng)
                 return _to_gateway(waypoint, source, target, ServiceDescription.of(service), hbone_port)
-        us = fetch_upstream(state, source.network, source, ip, port, rng, trace)
+        # The VIP lookup above answers for the source's network too when it is ours (always, but for tests and
+        # explain): looked up once per connection.
+        known = (service,) if network == source.network else None
+        us = fetch_upstream(state, source.network, source, ip, port, rng, trace, known)
         if us is None:
             if service is not None and (
                 service.load_balancer is None or service.load_balancer.mode is not LoadBalancerMode.PASSTHROUGH
@@ -384,11 +387,12 @@ class Outbound(Listener):
             # Through a gateway, the destination is the workload behind it (its identity is checked on the inner
             # TLS), not the gateway the TCP connection goes to.
             dst_wl = req.final_workload or req.actual_destination_workload
+            authority = req.authority  # formatted once: the record's and the CONNECT's
             record = ConnectionRecord(
                 direction=Direction.OUTBOUND,
                 src=src,
                 dst=req.actual_destination,
-                hbone_target=req.authority,
+                hbone_target=authority,
                 src_identity=source.identity if hbone else None,
                 dst_identity=dst_wl.identity if dst_wl is not None and hbone else None,
                 src_workload=source,
@@ -403,7 +407,8 @@ class Outbound(Listener):
             if req.protocol is OutboundProtocol.DOUBLE_HBONE:
                 await self._double_hbone(plain, src, req, record, ready, traceparent)
             elif hbone:
-                await self._hbone(plain, src, req, record, ready, traceparent)
+                assert authority is not None
+                await self._hbone(plain, src, req, authority, record, ready, traceparent)
             else:
                 await self._tcp(plain, req, record, ready)
         except ProxyError as e:
@@ -434,11 +439,12 @@ class Outbound(Listener):
         plain: PlainConnection,
         src: tuple[IPAddress, int],
         req: Request,
+        authority: str,
         record: ConnectionRecord,
         ready: Callable[[ProxyError | None], None] | None,
         traceparent: str,
     ) -> None:
-        stream = await self._open_outer(src, req, traceparent)
+        stream = await self._open_outer(src, req, authority, traceparent)
         record.tunnel = stream.conn  # a CRL revoking the peer closes the pooled connection, and this with it
         self._carry(plain, stream, record, ready)
 
@@ -462,10 +468,11 @@ class Outbound(Listener):
             ready(None)
         stream.attach(plain, on_done=lambda s: pi.connections.release(record, ResponseFlag.NONE, s.error))
 
-    async def _open_outer(self, src: tuple[IPAddress, int], req: Request, traceparent: str) -> HboneStream:
-        """A CONNECT on a pooled connection to ``req.actual_destination``, answered 200 (else ProxyError)."""
-        authority = req.authority
-        assert authority is not None
+    async def _open_outer(
+        self, src: tuple[IPAddress, int], req: Request, authority: str, traceparent: str
+    ) -> HboneStream:
+        """A CONNECT for ``authority`` on a pooled connection to ``req.actual_destination``, answered 200 (else
+        ProxyError)."""
         key = WorkloadKey(req.source.identity, req.upstream_sans, req.actual_destination, src[0])
         stream = await self.pi.pool.open_stream(key, authority, hbone_headers(req, src, traceparent))
         await _established(stream)
@@ -484,10 +491,10 @@ class Outbound(Listener):
         TLS handshake with the source's certificate verified against ``final_sans`` and a new, unpooled HTTP/2
         connection whose one CONNECT carries ``x-forwarded-network``."""
         pi = self.pi
-        outer = await self._open_outer(src, req, traceparent)
-        record.tunnel = outer.conn  # the gateway's certificate revoked by a CRL closes the outer connection
         authority = req.authority
         assert authority is not None
+        outer = await self._open_outer(src, req, authority, traceparent)
+        record.tunnel = outer.conn  # the gateway's certificate revoked by a CRL closes the outer connection
         try:
             cert = await pi.certs.fetch_certificate(req.source.identity)
             inner, _pipe = await open_inner(
