@@ -18,44 +18,33 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from ztunnel.testing import (
-    NODE_A_IP,
-    NODE_B_IP,
-    SERVER_APP,
-    SERVICE_VIP,
-    EchoServer,
-    node_env,
-    running_app,
-    socks5_connect,
-)
+from ztunnel.testing import EchoServer, TwoNodeMesh, running_app
 
 N = 30
 # (file, function name) -> calls per connection, both nodes together.
 Counts = dict[tuple[str, str], float]
 
 
-async def _one() -> None:
-    reader, writer = await socks5_connect((NODE_A_IP, 15080), *SERVICE_VIP)
+async def _one(mesh: TwoNodeMesh) -> None:
+    reader, writer = await mesh.socks5()
     writer.write(b"x")
     assert await asyncio.wait_for(reader.readexactly(1), 10) == b"x"
     writer.close()
     await writer.wait_closed()
 
 
-async def _profiled(ca: Path) -> cProfile.Profile:
+async def _profiled(workdir: Path) -> cProfile.Profile:
+    mesh = TwoNodeMesh(workdir)  # a random block of 127/8: no clash with other tests on the fixed addresses
     prof = cProfile.Profile()
-    echo = await EchoServer().start(*SERVER_APP)
+    echo = await EchoServer().start(*mesh.server_app)
     try:
-        async with (
-            running_app(node_env("node-a", NODE_A_IP, "default/client/client", ca, RUST_LOG="warn")),
-            running_app(node_env("node-b", NODE_B_IP, "default/server/server", ca, RUST_LOG="warn")),
-        ):
+        async with running_app(mesh.env_b(RUST_LOG="warn")), running_app(mesh.env_a(RUST_LOG="warn")):
             for _ in range(5):
-                await _one()
+                await _one(mesh)
             await asyncio.sleep(0.1)
             prof.enable()
             for _ in range(N):
-                await _one()
+                await _one(mesh)
             await asyncio.sleep(0.1)  # both nodes finish closing the last connection
             prof.disable()
     finally:
@@ -67,7 +56,7 @@ async def _profiled(ca: Path) -> cProfile.Profile:
 def counts(tmp_path_factory: pytest.TempPathFactory) -> Counts:
     """Calls per connection, on uvloop as the product runs (a loop of its own: the fixture is module-wide)."""
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        prof = runner.run(_profiled(tmp_path_factory.mktemp("calls") / "ca"))
+        prof = runner.run(_profiled(tmp_path_factory.mktemp("calls")))
     out: Counts = {}
     for (file, _line, name), (_cc, nc, *_rest) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
         # ztunnel's own files by their path in the package (ztunnel/metrics.py is not ztunnel/proxy/metrics.py),
@@ -115,6 +104,16 @@ def test_outbound_routing_looks_each_thing_up_once(counts: Counts) -> None:
     assert _calls(counts, "ztunnel/identity/spiffe.py", "parse") == 0, counts
     assert _calls(counts, "ztunnel/proxy/outbound.py", "authority") == 1, counts
     assert _calls(counts, "ztunnel/state/upstream.py", "<listcomp>") == 0, counts
+
+
+def test_socket_options_through_a_plain_socket_object(counts: Counts) -> None:
+    """Node B's keepalive options after the app connect go through one C socket object made from the descriptor,
+    with the family read from the transport's address: no ``socket.socket`` (Python-level constructor and
+    ``detach``, and the stand-in's family and type turned into enums) and no generator context manager. Before:
+    ``socket.py`` 2 calls, ``contextlib.contextmanager``'s helper 1, and its ``__enter__``/``__exit__``."""
+    assert _calls(counts, "socket.py") == 0, counts
+    assert _calls(counts, "contextlib.py", "helper") == 0, counts
+    assert _calls(counts, "ztunnel/sockets.py", "socket_of") == pytest.approx(1.0), counts  # anchor: it ran
 
 
 def test_dump(counts: Counts) -> None:

@@ -151,8 +151,11 @@ async def _loop_connect(
     transport = upstream.transport
     if sockets.cfg.keepalive_enabled and transport is not None and not upstream.closed:
         try:
-            with socket_of(transport) as sock:
+            sock = socket_of(transport)
+            try:
                 set_keepalive(sock, sockets.cfg)
+            finally:
+                sock.detach()
         except OSError:
             pass  # closed by the peer already: the relay sees it
     return upstream
