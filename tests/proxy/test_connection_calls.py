@@ -116,6 +116,20 @@ def test_socket_options_through_a_plain_socket_object(counts: Counts) -> None:
     assert _calls(counts, "ztunnel/sockets.py", "socket_of") == pytest.approx(1.0), counts  # anchor: it ran
 
 
+def test_no_on_demand_coroutines_or_traceparent_splitting(counts: Counts) -> None:
+    """Without ``XDS_ON_DEMAND`` there is nothing to wait for: node A does not build the destination's
+    NetworkAddress and await ``fetch_address``, node B looks the peer's workload up without two coroutines
+    (``_workload_at_peer``, ``fetch_workload_by_address``) and two ``_naddr`` calls. Node B's span id is one regex
+    match of the client's traceparent instead of a split, a list and a set per field (8 calls). Node A takes the
+    local workload without awaiting ``LocalWorkload.get`` when it is known."""
+    for name in ("fetch_address", "fetch_workload_by_address", "get"):
+        assert _calls(counts, "ztunnel/proxy/inputs.py", name) == 0, name
+    assert _calls(counts, "ztunnel/proxy/inbound.py", "_workload_at_peer") == 0, counts
+    assert _calls(counts, "ztunnel/proxy/inbound.py", "_naddr") == 0, counts
+    assert _calls(counts, "ztunnel/telemetry.py") <= 4, counts  # span_id, display, enter_span twice
+    assert _calls(counts, "ztunnel/telemetry.py", "span_id") == pytest.approx(1.0), counts  # anchor: it ran
+
+
 def test_dump(counts: Counts) -> None:
     rows = sorted(counts.items(), key=lambda kv: -kv[1])
     lane = (

@@ -446,7 +446,11 @@ class Inbound(Listener):
         record.derived_source = DerivedWorkload(identity=identity)
         # Through a gateway the source IP is the gateway's; otherwise it is the source workload's only if the
         # certificate is that workload's identity (never attribute the IP's workload to someone else).
-        ip_workload = await self._workload_at_peer(src[0], ev.headers)
+        if pi.on_demand is None:  # nothing to wait for: no coroutines (2 per stream) to look it up
+            at_peer = None if from_gateway(ev.headers, pi.config.network) else NetworkAddress(pi.config.network, src[0])
+            ip_workload = pi.state.workloads.find_address(at_peer) if at_peer is not None else None
+        else:
+            ip_workload = await self._workload_at_peer(src[0], ev.headers)
         if ip_workload is not None and ip_workload.identity == identity:
             record.src_workload = ip_workload
         try:

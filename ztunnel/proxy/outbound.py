@@ -378,10 +378,10 @@ class Outbound(Listener):
                 )
             if pi.drain.draining:
                 raise ProxyError("proxy is draining")
-            source = await pi.local.get()
-            # XDS_ON_DEMAND: an address the state does not know is asked for first (upstream fetch_address).
-            await pi.fetch_address(NetworkAddress(pi.config.network, dst[0]), source.namespace)
+            source = pi.local.find() or await pi.local.get()  # known (but for the first seconds): no coroutine
             if pi.on_demand is not None:
+                # XDS_ON_DEMAND: an address the state does not know is asked for first (upstream fetch_address).
+                await pi.fetch_address(NetworkAddress(pi.config.network, dst[0]), source.namespace)
                 await fetch_references(pi, source, dst[0])
             req = build_request(pi.state, source, src[0], dst, pi.config.network, pi.rng, self.hbone_port)
             if req.resolve_hostname is not None:
