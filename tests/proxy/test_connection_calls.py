@@ -21,7 +21,8 @@ import uvloop
 from ztunnel.testing import EchoServer, TwoNodeMesh, running_app
 
 N = 30
-# (file, function name) -> calls per connection, both nodes together.
+# (file, function name) -> calls per connection, both nodes together; and ("file:function", caller's file) -> the
+# calls made to it from that file.
 Counts = dict[tuple[str, str], float]
 
 
@@ -58,13 +59,21 @@ def counts(tmp_path_factory: pytest.TempPathFactory) -> Counts:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         prof = runner.run(_profiled(tmp_path_factory.mktemp("calls")))
     out: Counts = {}
-    for (file, _line, name), (_cc, nc, *_rest) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
-        # ztunnel's own files by their path in the package (ztunnel/metrics.py is not ztunnel/proxy/metrics.py),
-        # the rest (the standard library's ipaddress, contextlib ...) by file name.
-        parts = Path(file).parts
-        key = ("/".join(parts[parts.index("ztunnel") :]) if "ztunnel" in parts else parts[-1] if parts else file, name)
+    for (file, _line, name), (_cc, nc, _tt, _ct, callers) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
+        key = _key(file, name)
         out[key] = out.get(key, 0.0) + nc / N
+        for (caller_file, _caller_line, caller_name), caller_counts in callers.items():
+            # ("<callee file>:<callee name>", "<caller file>"): calls made from one file of ours.
+            edge = (f"{key[0]}:{name}", _key(caller_file, caller_name)[0])
+            out[edge] = out.get(edge, 0.0) + caller_counts[1] / N
     return out
+
+
+def _key(file: str, name: str) -> tuple[str, str]:
+    # ztunnel's own files by their path in the package (ztunnel/metrics.py is not ztunnel/proxy/metrics.py), the
+    # rest (the standard library's ipaddress, contextlib ...) by file name.
+    parts = Path(file).parts
+    return ("/".join(parts[parts.index("ztunnel") :]) if "ztunnel" in parts else parts[-1] if parts else file, name)
 
 
 def _calls(counts: Counts, file: str, name: str | None = None) -> float:
@@ -128,6 +137,16 @@ def test_no_on_demand_coroutines_or_traceparent_splitting(counts: Counts) -> Non
     assert _calls(counts, "ztunnel/proxy/inbound.py", "_naddr") == 0, counts
     assert _calls(counts, "ztunnel/telemetry.py") <= 4, counts  # span_id, display, enter_span twice
     assert _calls(counts, "ztunnel/telemetry.py", "span_id") == pytest.approx(1.0), counts  # anchor: it ran
+
+
+def test_no_typing_cast_or_reporter_property_calls(counts: Counts) -> None:
+    """``typing.cast`` is a Python function (a call per use): the plaintext connection and the SOCKS5 handshake
+    took their transport through it, 3 per connection; the labels of a record read ``reporter`` (a property) twice
+    per connection."""
+    for caller in ("ztunnel/proxy/relay.py", "ztunnel/proxy/socks5.py"):
+        assert counts.get(("typing.py:cast", caller), 0) == 0, caller
+    assert _calls(counts, "ztunnel/proxy/connection_manager.py", "reporter") == 0, counts
+    assert _calls(counts, "ztunnel/proxy/relay.py", "connection_made") == pytest.approx(2.0), counts  # anchor
 
 
 def test_dump(counts: Counts) -> None:

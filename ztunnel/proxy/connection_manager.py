@@ -141,7 +141,7 @@ class ConnectionRecord:
     def labels(self, flag: ResponseFlag = ResponseFlag.NONE) -> Labels:
         svc = self.dst_service
         return traffic_labels(
-            self.reporter,
+            "source" if self.direction is Direction.OUTBOUND else "destination",  # self.reporter, without a call
             self.src_workload,
             self.derived_source,
             self.dst_workload,

@@ -21,7 +21,6 @@ import socket
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import cast
 
 from ztunnel.net import format_addr
 from ztunnel.proxy.common import HttpStatusError, ProxyError, ResponseFlag
@@ -230,10 +229,9 @@ class _Handshake(asyncio.Protocol):
         self.socket: OpenSocket | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it.
-        self.transport = cast(asyncio.Transport, transport)
+        # uvloop's transports implement asyncio.Transport without subclassing it (no typing.cast: a Python call).
+        self.transport = transport  # type: ignore[assignment]
         self.socket = OpenSocket(self.owner.pi.connections.traffic, "source")
-        transport = self.transport
         set_accepted_options(transport.get_extra_info("socket"), self.owner.pi.sockets.cfg, keepalive=False)
         self.src = transport_peer(transport)
 
