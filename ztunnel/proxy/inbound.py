@@ -443,7 +443,7 @@ class Inbound(Listener):
             log_fields(log, logging.DEBUG, "received request", authority=display(ev.authority), identity=str(identity))
         # Until the stream is up, the source is what its certificate proves. Nothing the peer wrote (baggage)
         # labels a refused stream: each invented value would be a metric series of its own (stricter than upstream).
-        record.derived_source = DerivedWorkload(identity=identity)
+        record.derived_source = DerivedWorkload.of_identity(identity)
         # Through a gateway the source IP is the gateway's; otherwise it is the source workload's only if the
         # certificate is that workload's identity (never attribute the IP's workload to someone else).
         if pi.on_demand is None:  # nothing to wait for: no coroutines (2 per stream) to look it up

@@ -50,9 +50,36 @@ class DerivedWorkload:
     zone: str | None = None
 
     @classmethod
+    def of_identity(cls, identity: Identity | None) -> DerivedWorkload:
+        """A source known by its mTLS identity alone (every HBONE connection, both sides): one object per identity
+        object, so a connection neither builds one (a frozen dataclass: 8 ``object.__setattr__`` calls) nor
+        compares a new one field by field in the label cache (a hit on the same object is decided by identity)."""
+        hit = _BY_IDENTITY.get(id(identity))
+        if hit is not None and hit[0] is identity:
+            return hit[1]
+        if len(_BY_IDENTITY) >= _DERIVED_CACHE_SIZE:
+            _BY_IDENTITY.clear()
+        derived = cls(identity=identity)
+        _BY_IDENTITY[id(identity)] = (identity, derived)
+        return derived
+
+    @classmethod
     def from_baggage(cls, b: Baggage, identity: Identity | None) -> DerivedWorkload:
         """What the peer's baggage says, each value bounded to MAX_LABEL_CHARS (it is a label-cache key, labels and
-        access-log fields)."""
+        access-log fields). One object per (baggage, identity) object pair: ``baggage.parse`` hands out the same
+        Baggage for the same header value, and a pooled connection's streams share their peer's identity."""
+        key = (id(b), id(identity))
+        hit = _BY_BAGGAGE.get(key)
+        if hit is not None and hit[0] is b and hit[1] is identity:
+            return hit[2]
+        if len(_BY_BAGGAGE) >= _DERIVED_CACHE_SIZE:
+            _BY_BAGGAGE.clear()
+        derived = cls._from_baggage(b, identity)
+        _BY_BAGGAGE[key] = (b, identity, derived)
+        return derived
+
+    @classmethod
+    def _from_baggage(cls, b: Baggage, identity: Identity | None) -> DerivedWorkload:
         return cls(
             workload_name=_bounded(b.workload_name),
             app=_bounded(b.service_name),
@@ -63,6 +90,13 @@ class DerivedWorkload:
             region=_bounded(b.region),
             zone=_bounded(b.zone),
         )
+
+
+# Derived sources of recent connections, keyed by the identities of the objects they are made from (each entry holds
+# them, so an id is never reused while cached); emptied when full.
+_DERIVED_CACHE_SIZE = 4096
+_BY_IDENTITY: dict[int, tuple[Identity | None, DerivedWorkload]] = {}
+_BY_BAGGAGE: dict[tuple[int, int], tuple[Baggage, Identity | None, DerivedWorkload]] = {}
 
 
 def _bounded(value: str | None, limit: int = MAX_LABEL_CHARS) -> str | None:

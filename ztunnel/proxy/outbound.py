@@ -403,7 +403,7 @@ class Outbound(Listener):
                 dst_service=req.intended_destination_service,
                 # Over HBONE we present the source's certificate, so the source reporter claims that identity as
                 # source_principal (upstream ``conn_metrics_from_request``); plain TCP claims none.
-                derived_source=DerivedWorkload(identity=source.identity) if hbone else None,
+                derived_source=DerivedWorkload.of_identity(source.identity) if hbone else None,
                 mtls=hbone,
                 original_dst=dst,
             )
