@@ -200,7 +200,15 @@ async def connect_interruptible(
     interrupt = Interrupt()
     record.closer = interrupt
     try:
-        upstream = await connect_plain(sockets, dst, bind_src=bind_src, transparent=transparent, interrupt=interrupt)
+        # connect_plain's choice made here, so the usual connect (by the event loop) runs without connect_plain's
+        # coroutine around it (a coroutine object, a frame and two resumptions per inbound connection).
+        local = _loop_local_addr(sockets, bind_src, transparent) if sockets.loop_may_connect() else False
+        if local is not False:
+            upstream = await _loop_connect(running_loop(), sockets, dst, local, interrupt)
+        else:
+            upstream = await connect_plain(
+                sockets, dst, bind_src=bind_src, transparent=transparent, interrupt=interrupt
+            )
     except Interrupted:
         pass  # it closed its socket
     finally:

@@ -19,8 +19,9 @@ import ipaddress
 import logging
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from ztunnel.net import format_addr
 from ztunnel.proxy.common import HttpStatusError, ProxyError, ResponseFlag
@@ -196,7 +197,7 @@ class Socks5Parser:
 # How the outbound path reports back: None when the tunnel is up, else the error.
 ProxyTo = Callable[
     [PlainConnection, tuple[IPAddress, int], tuple[IPAddress, int], Callable[[ProxyError | None], None]],
-    Awaitable[None],
+    Coroutine[Any, Any, None],
 ]
 Resolver = Callable[[str], Awaitable[list[IPAddress]]]
 
@@ -271,7 +272,16 @@ class _Handshake(asyncio.Protocol):
         plain._pause_reasons |= 1  # resumed when the relay is attached
         transport.set_protocol(plain)
         plain.connection_made(transport)
-        self.owner.pi.tasks.spawn(self.owner.connect(plain, self.src, ev, method_reply), "socks5")
+        owner = self.owner
+        if isinstance(ev.host, str):
+            owner.pi.tasks.spawn(owner.connect(plain, self.src, ev, method_reply), "socks5")
+            return
+        # An IP (what most clients and the benchmark send): the outbound path is this connection's task itself,
+        # without a coroutine around it (a coroutine object, a frame and two resumptions per connection).
+        dst = (ev.host, ev.port)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("SOCKS5 %s -> %s", format_addr(*self.src), format_addr(*dst))
+        owner.pi.tasks.spawn(owner.proxy_to(plain, self.src, dst, _ready(transport, method_reply)), "socks5")
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.socket is not None:  # closed during the handshake
@@ -310,12 +320,18 @@ class Socks5(Listener):
         else:
             ip = ev.host
         dst = (ip, ev.port)
-
-        def ready(error: ProxyError | None) -> None:
-            if transport.is_closing():
-                return
-            transport.write(method_reply + (_SUCCEEDED if error is None else reply(reply_for(error))))
-
         if log.isEnabledFor(logging.DEBUG):
             log.debug("SOCKS5 %s -> %s", format_addr(*src), format_addr(*dst))
-        await self.proxy_to(plain, src, dst, ready)
+        await self.proxy_to(plain, src, dst, _ready(transport, method_reply))
+
+
+def _ready(transport: asyncio.Transport, method_reply: bytes) -> Callable[[ProxyError | None], None]:
+    """What the outbound path calls once the tunnel is up (None) or failed (the error): the request's reply, with
+    the method reply (if not sent yet) in front of it."""
+
+    def ready(error: ProxyError | None) -> None:
+        if transport.is_closing():
+            return
+        transport.write(method_reply + (_SUCCEEDED if error is None else reply(reply_for(error))))
+
+    return ready
