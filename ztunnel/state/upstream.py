@@ -286,11 +286,12 @@ def pick_workload_ip(dst: Workload, original_ip: IPAddress, family: IpFamily | N
         return original_ip, False
     # The first allowed IP of the request's family, else the first allowed one: one pass, no lists (a VIP is never
     # a workload IP, so every service-addressed connection comes here).
-    version = original_ip.version
+    # The family compared by class (IPv4Address or IPv6Address, canonical): ``version`` is a Python property.
+    same = original_ip.__class__
     first: IPAddress | None = None
     for ip in dst.workload_ips:
         if family is None or family.accepts(ip):
-            if ip.version == version:
+            if ip.__class__ is same:
                 return ip, False
             if first is None:
                 first = ip
