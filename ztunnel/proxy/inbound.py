@@ -66,7 +66,7 @@ from ztunnel.state.service import Service
 from ztunnel.state.upstream import ServiceDescription
 from ztunnel.state.workload import AppTunnelProtocol, IPAddress, NetworkAddress, NetworkMode, Workload
 from ztunnel.tasks import running_loop
-from ztunnel.telemetry import display, enter_span, span_id
+from ztunnel.telemetry import Display, display, enter_span, span_id
 from ztunnel.telemetry import log as log_fields
 
 log = logging.getLogger("ztunnel.proxy.inbound")
@@ -438,7 +438,7 @@ class Inbound(Listener):
             tunnel=conn,
         )
         # This stream's task logs within upstream's inbound span: the client's trace id (its traceparent).
-        enter_span("inbound", {"id": span_id(ev.headers.get(TRACEPARENT_HEADER)), "peer": display(format_addr(*src))})
+        enter_span("inbound", {"id": span_id(ev.headers.get(TRACEPARENT_HEADER)), "peer": Display(format_addr(*src))})
         if log.isEnabledFor(logging.DEBUG):
             log_fields(log, logging.DEBUG, "received request", authority=display(ev.authority), identity=str(identity))
         # Until the stream is up, the source is what its certificate proves. Nothing the peer wrote (baggage)
