@@ -1,4 +1,4 @@
-"""Python calls per connection outside the HBONE core, counted exactly (cProfile call counts, no clock read).
+"""Python calls per connection outside the HBONE core, counted exactly (cProfile's call counts; its timings are unused).
 
 Two in-process ztunnels (node A: SOCKS5 in, HBONE out; node B: HBONE in, the app out) and an echo app on the
 test's loop; 30 connections of SOCKS5 + 1-byte echo + close after five warm-up ones (pool, certificates,
