@@ -35,6 +35,7 @@ import logging
 import os
 import queue
 import random
+import re
 import select
 import sys
 import threading
@@ -283,17 +284,19 @@ class JsonFormatter(logging.Formatter):
 
 Span = tuple[str, Mapping[str, Any]]
 _span_rng = random.Random()
-_HEX = frozenset("0123456789abcdefABCDEF")
+# ``version-traceid-parentid-flags``, 2-32-16-2 hex digits (55 characters): one C match instead of a split, a list
+# and a set per field (8 Python calls per inbound stream).
+_TRACEPARENT = re.compile(r"[0-9a-fA-F]{2}-([0-9a-fA-F]{32})-[0-9a-fA-F]{16}-[0-9a-fA-F]{2}")
 
 
 def span_id(traceparent: str | None) -> Display:
     """The span id of a connection's access record: the trace id (32 hex digits) of the W3C ``traceparent`` the
     peer sent, as upstream's inbound does; a new random one when it is missing or malformed (upstream requires 55
     characters and four hex fields ``version-traceid-parentid-flags``)."""
-    if traceparent is not None and len(traceparent) == 55:
-        parts = traceparent.split("-")
-        if [len(p) for p in parts] == [2, 32, 16, 2] and all(set(p) <= _HEX for p in parts):
-            return Display(f"{int(parts[1], 16):032x}")
+    if traceparent is not None:
+        m = _TRACEPARENT.fullmatch(traceparent)
+        if m is not None:
+            return Display(m.group(1).lower())  # the 32 hex digits as upstream writes them (lowercase)
     return Display(f"{_span_rng.getrandbits(128):032x}")  # written bare, as upstream's %id
 
 

@@ -26,6 +26,17 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict[s
         pytest.skip(f"strace cannot attach here: {e}")
 
 
+def test_the_counts_are_of_the_connections(table: dict[str, dict[str, float]]) -> None:
+    """Anchors, so no bound below passes by measuring nothing (strace attached to the wrong process, or detached
+    before the connections ran): node A accepts each SOCKS5 connection once and shuts each down once, node B makes
+    one socket and one connect to the app per connection."""
+    a, b = table["a"], table["b"]
+    assert 0.95 <= a.get("accept4", 0) <= 1.05, a
+    assert 0.95 <= a.get("shutdown", 0) <= 1.05, a
+    assert 0.95 <= b.get("socket", 0) <= 1.05, b
+    assert 0.95 <= b.get("connect", 0) <= 1.05, b
+
+
 def test_no_getpid_per_connection(table: dict[str, dict[str, float]]) -> None:
     """CPython 3.11's running-loop lookups (asyncio.get_running_loop, create_task, asyncio.timeout, Event() ...)
     and LogRecord's process id each call getpid(), a real system call: 3 per connection on node A and 7 on node B

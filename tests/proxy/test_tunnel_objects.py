@@ -23,6 +23,7 @@ from ztunnel.testing import (
     SERVER_APP,
     SERVICE_VIP,
     EchoServer,
+    TwoNodeMesh,
     node_env,
     running_app,
     socks5_connect,
@@ -73,3 +74,31 @@ async def test_an_open_tunnel_holds_no_closures_or_buffers_for_its_record(tmp_pa
         finally:
             writer.close()
             await echo.stop()
+
+
+async def test_tunnels_from_one_peer_share_their_derived_source(tmp_path: Path) -> None:
+    """Two tunnels from the same workload, open at once: on both nodes their records hold the same DerivedWorkload
+    object (one per identity, and on node B per baggage value and identity), not one built per connection (a frozen
+    dataclass of 8 fields, then compared field by field in the label cache)."""
+    mesh = TwoNodeMesh(tmp_path)
+    echo = await EchoServer().start(*mesh.server_app)
+    writers: list[asyncio.StreamWriter] = []
+    try:
+        async with running_app(mesh.env_a()) as a, running_app(mesh.env_b()) as b:
+            for _ in range(2):
+                reader, writer = await mesh.socks5()
+                writers.append(writer)
+                writer.write(b"x")
+                assert await asyncio.wait_for(reader.readexactly(1), 10) == b"x"
+            for app in (a, b):
+                records = list(app.proxy.pi.connections)  # type: ignore[attr-defined]
+                assert len(records) == 2
+                assert records[0].derived_source is not None
+                assert records[0].derived_source is records[1].derived_source
+            for w in writers:
+                w.close()
+            writers.clear()
+    finally:
+        for w in writers:
+            w.close()
+        await echo.stop()

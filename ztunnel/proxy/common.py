@@ -83,8 +83,14 @@ def forwarded_header(src: tuple[IPAddress, int], service_hostname: str | None) -
 
 def services_of(state: ProxyState, workload: Workload) -> list[Service]:
     """The services that select ``workload``, in its xDS order (upstream ``get_services_by_workload``)."""
-    found = (state.services.get(key) for key in workload.services)
-    return [svc for svc in found if svc is not None]
+    # A plain loop: a generator and a comprehension were 3 Python calls per inbound connection.
+    get = state.services.get
+    out: list[Service] = []
+    for key in workload.services:
+        svc = get(key)
+        if svc is not None:
+            out.append(svc)
+    return out
 
 
 def guess_inbound_service(

@@ -151,8 +151,11 @@ async def _loop_connect(
     transport = upstream.transport
     if sockets.cfg.keepalive_enabled and transport is not None and not upstream.closed:
         try:
-            with socket_of(transport) as sock:
+            sock = socket_of(transport)
+            try:
                 set_keepalive(sock, sockets.cfg)
+            finally:
+                sock.detach()
         except OSError:
             pass  # closed by the peer already: the relay sees it
     return upstream
@@ -197,7 +200,15 @@ async def connect_interruptible(
     interrupt = Interrupt()
     record.closer = interrupt
     try:
-        upstream = await connect_plain(sockets, dst, bind_src=bind_src, transparent=transparent, interrupt=interrupt)
+        # connect_plain's choice made here, so the usual connect (by the event loop) runs without connect_plain's
+        # coroutine around it (a coroutine object, a frame and two resumptions per inbound connection).
+        local = _loop_local_addr(sockets, bind_src, transparent) if sockets.loop_may_connect() else False
+        if local is not False:
+            upstream = await _loop_connect(running_loop(), sockets, dst, local, interrupt)
+        else:
+            upstream = await connect_plain(
+                sockets, dst, bind_src=bind_src, transparent=transparent, interrupt=interrupt
+            )
     except Interrupted:
         pass  # it closed its socket
     finally:

@@ -66,7 +66,7 @@ from ztunnel.state.service import Service
 from ztunnel.state.upstream import ServiceDescription
 from ztunnel.state.workload import AppTunnelProtocol, IPAddress, NetworkAddress, NetworkMode, Workload
 from ztunnel.tasks import running_loop
-from ztunnel.telemetry import display, enter_span, span_id
+from ztunnel.telemetry import Display, display, enter_span, span_id
 from ztunnel.telemetry import log as log_fields
 
 log = logging.getLogger("ztunnel.proxy.inbound")
@@ -438,15 +438,19 @@ class Inbound(Listener):
             tunnel=conn,
         )
         # This stream's task logs within upstream's inbound span: the client's trace id (its traceparent).
-        enter_span("inbound", {"id": span_id(ev.headers.get(TRACEPARENT_HEADER)), "peer": display(format_addr(*src))})
+        enter_span("inbound", {"id": span_id(ev.headers.get(TRACEPARENT_HEADER)), "peer": Display(format_addr(*src))})
         if log.isEnabledFor(logging.DEBUG):
             log_fields(log, logging.DEBUG, "received request", authority=display(ev.authority), identity=str(identity))
         # Until the stream is up, the source is what its certificate proves. Nothing the peer wrote (baggage)
         # labels a refused stream: each invented value would be a metric series of its own (stricter than upstream).
-        record.derived_source = DerivedWorkload(identity=identity)
+        record.derived_source = DerivedWorkload.of_identity(identity)
         # Through a gateway the source IP is the gateway's; otherwise it is the source workload's only if the
         # certificate is that workload's identity (never attribute the IP's workload to someone else).
-        ip_workload = await self._workload_at_peer(src[0], ev.headers)
+        if pi.on_demand is None:  # nothing to wait for: no coroutines (2 per stream) to look it up
+            at_peer = None if from_gateway(ev.headers, pi.config.network) else NetworkAddress(pi.config.network, src[0])
+            ip_workload = pi.state.workloads.find_address(at_peer) if at_peer is not None else None
+        else:
+            ip_workload = await self._workload_at_peer(src[0], ev.headers)
         if ip_workload is not None and ip_workload.identity == identity:
             record.src_workload = ip_workload
         try:

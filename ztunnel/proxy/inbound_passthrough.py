@@ -40,9 +40,12 @@ class InboundPassthrough(Listener):
         assert plain.transport is not None
         plain.on_lost = OpenSocket(self.pi.connections.traffic, "destination").closed
         transport = plain.transport
-        with socket_of(transport) as sock:  # one socket object for the keepalive options and SO_ORIGINAL_DST
+        sock = socket_of(transport)  # one socket object for the keepalive options and SO_ORIGINAL_DST
+        try:
             set_accepted_options(sock, self.pi.sockets.cfg, keepalive=True)
             dst = original_dst(sock) or transport_local(transport)
+        finally:
+            sock.detach()
         src = transport_peer(transport)
         self.pi.tasks.spawn(self._proxy(plain, src, dst), "inbound passthrough")
 

@@ -50,9 +50,36 @@ class DerivedWorkload:
     zone: str | None = None
 
     @classmethod
+    def of_identity(cls, identity: Identity | None) -> DerivedWorkload:
+        """A source known by its mTLS identity alone (every HBONE connection, both sides): one object per identity
+        object, so a connection neither builds one (a frozen dataclass: 8 ``object.__setattr__`` calls) nor
+        compares a new one field by field in the label cache (a hit on the same object is decided by identity)."""
+        hit = _BY_IDENTITY.get(id(identity))
+        if hit is not None and hit[0] is identity:
+            return hit[1]
+        if len(_BY_IDENTITY) >= _DERIVED_CACHE_SIZE:
+            _BY_IDENTITY.clear()
+        derived = cls(identity=identity)
+        _BY_IDENTITY[id(identity)] = (identity, derived)
+        return derived
+
+    @classmethod
     def from_baggage(cls, b: Baggage, identity: Identity | None) -> DerivedWorkload:
         """What the peer's baggage says, each value bounded to MAX_LABEL_CHARS (it is a label-cache key, labels and
-        access-log fields)."""
+        access-log fields). One object per (baggage, identity) object pair: ``baggage.parse`` hands out the same
+        Baggage for the same header value, and a pooled connection's streams share their peer's identity."""
+        key = (id(b), id(identity))
+        hit = _BY_BAGGAGE.get(key)
+        if hit is not None and hit[0] is b and hit[1] is identity:
+            return hit[2]
+        if len(_BY_BAGGAGE) >= _DERIVED_CACHE_SIZE:
+            _BY_BAGGAGE.clear()
+        derived = cls._from_baggage(b, identity)
+        _BY_BAGGAGE[key] = (b, identity, derived)
+        return derived
+
+    @classmethod
+    def _from_baggage(cls, b: Baggage, identity: Identity | None) -> DerivedWorkload:
         return cls(
             workload_name=_bounded(b.workload_name),
             app=_bounded(b.service_name),
@@ -63,6 +90,13 @@ class DerivedWorkload:
             region=_bounded(b.region),
             zone=_bounded(b.zone),
         )
+
+
+# Derived sources of recent connections, keyed by the identities of the objects they are made from (each entry holds
+# them, so an id is never reused while cached); emptied when full.
+_DERIVED_CACHE_SIZE = 4096
+_BY_IDENTITY: dict[int, tuple[Identity | None, DerivedWorkload]] = {}
+_BY_BAGGAGE: dict[tuple[int, int], tuple[Baggage, Identity | None, DerivedWorkload]] = {}
 
 
 def _bounded(value: str | None, limit: int = MAX_LABEL_CHARS) -> str | None:
@@ -216,6 +250,20 @@ def _build_traffic_labels(
     return tuple(labels)
 
 
+class _Series:
+    """The children of one label set: opened, sent and received made when the first connection opens with it,
+    closed when the first one closes (a series is only exported once something was counted in it)."""
+
+    __slots__ = ("closed", "labels", "opened", "received", "sent")
+
+    def __init__(self, labels: Labels, opened: Child, sent: Child, received: Child) -> None:
+        self.labels = labels
+        self.opened = opened
+        self.sent = sent
+        self.received = received
+        self.closed: Child | None = None
+
+
 @dataclass(slots=True)
 class ConnectionMetrics:
     """The children of one connection, and what has been counted so far."""
@@ -223,6 +271,7 @@ class ConnectionMetrics:
     labels: Labels
     sent: Child
     received: Child
+    series: _Series | None = None  # its label set's children (the closed one is found there)
     counted_sent: int = 0
     counted_received: int = 0
 
@@ -249,6 +298,14 @@ class TrafficMetrics:
             "istio_on_demand_dns", "The total number of requests that used on-demand DNS (unstable)"
         )
         self._on_demand: dict[tuple[int, str], tuple[Workload, Child]] = {}
+        # The four children (opened, closed, sent, received) of recent label sets, keyed by the identity of the
+        # labels tuple (traffic_labels hands out the same tuple for the same connection shape; the entry holds it,
+        # so an id is never reused while cached). A family's own lookup hashes the whole 27-pair tuple each time
+        # (tuples do not cache their hash): four lookups and Python calls per connection and side before, one
+        # dict probe now. Children are never removed from a family, so a cached one is always the live series.
+        self._series: dict[int, _Series] = {}
+        # istio_tcp_sockets_open's children by reporter ("source", "destination"): one per accepted socket.
+        self._sockets: dict[str, Child] = {}
 
     def on_demand_dns(self, source: Workload, hostname: str) -> None:
         """A connection whose destination was known only by hostname, resolved on demand (upstream
@@ -282,17 +339,30 @@ class TrafficMetrics:
         it carries, including one still in its TLS handshake or waiting for xDS, and none for the sockets ztunnel
         opens itself. ``reporter`` is ``source`` (15001, SOCKS5) or ``destination`` (15006, 15008). Returns the
         child; the caller takes 1 off its ``value`` when the socket closes (:class:`OpenSocket`)."""
-        child = self.sockets_open.child((("reporter", reporter),))
+        child = self._sockets.get(reporter)
+        if child is None:
+            child = self._sockets[reporter] = self.sockets_open.child((("reporter", reporter),))
         child.value += 1
         return child
 
     def socket_closed(self, reporter: str) -> None:
         """An accepted socket counted by :meth:`socket_opened` closed."""
-        self.sockets_open.child((("reporter", reporter),)).value -= 1
+        child = self._sockets.get(reporter)
+        if child is None:
+            child = self._sockets[reporter] = self.sockets_open.child((("reporter", reporter),))
+        child.value -= 1
 
     def open(self, labels: Labels) -> ConnectionMetrics:
-        self.opened.child(labels).value += 1
-        return ConnectionMetrics(labels, self.sent.child(labels), self.received.child(labels))
+        """A connection with ``labels`` opened: counted, and its children kept for its bytes and its close."""
+        series = self._series.get(id(labels))
+        if series is None or series.labels is not labels:
+            if len(self._series) >= _LABEL_CACHE_SIZE:
+                self._series.clear()
+            series = self._series[id(labels)] = _Series(
+                labels, self.opened.child(labels), self.sent.child(labels), self.received.child(labels)
+            )
+        series.opened.value += 1
+        return ConnectionMetrics(labels, series.sent, series.received, series)
 
     def flush(self, m: ConnectionMetrics, sent: int, received: int) -> None:
         m.sent.value += sent - m.counted_sent
@@ -300,7 +370,16 @@ class TrafficMetrics:
         m.counted_sent, m.counted_received = sent, received
 
     def close(self, m: ConnectionMetrics, sent: int, received: int, flag: ResponseFlag) -> None:
-        self.flush(m, sent, received)
+        m.sent.value += sent - m.counted_sent
+        m.received.value += received - m.counted_received
+        m.counted_sent, m.counted_received = sent, received
+        series = m.series
+        if flag is ResponseFlag.NONE and series is not None:
+            closed = series.closed
+            if closed is None:
+                closed = series.closed = self.closed.child(m.labels)
+            closed.value += 1
+            return
         labels = m.labels
         if flag is not ResponseFlag.NONE:
             labels = tuple((k, flag.value) if k == "response_flags" else (k, v) for k, v in labels)

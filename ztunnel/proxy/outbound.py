@@ -147,7 +147,10 @@ def build_request(
                 if waypoint.workload.network != source.network:
                     return _through_network_gateway(state, source, waypoint, service, target, rng)
                 return _to_gateway(waypoint, source, target, ServiceDescription.of(service), hbone_port)
-        us = fetch_upstream(state, source.network, source, ip, port, rng, trace)
+        # The VIP lookup above answers for the source's network too when it is ours (always, but for tests and
+        # explain): looked up once per connection.
+        known = (service,) if network == source.network else None
+        us = fetch_upstream(state, source.network, source, ip, port, rng, trace, known)
         if us is None:
             if service is not None and (
                 service.load_balancer is None or service.load_balancer.mode is not LoadBalancerMode.PASSTHROUGH
@@ -343,9 +346,12 @@ class Outbound(Listener):
         assert plain.transport is not None
         plain.on_lost = OpenSocket(self.pi.connections.traffic, "source").closed
         transport = plain.transport
-        with socket_of(transport) as sock:  # one socket object for the keepalive options and SO_ORIGINAL_DST
+        sock = socket_of(transport)  # one socket object for the keepalive options and SO_ORIGINAL_DST
+        try:
             set_accepted_options(sock, self.pi.sockets.cfg, keepalive=True)
             dst = original_dst(sock) or transport_local(transport)
+        finally:
+            sock.detach()
         src = transport_peer(transport)
         self.pi.tasks.spawn(self.proxy_to(plain, src, dst), "outbound")  # a constant: no formatting per connection
 
@@ -372,10 +378,10 @@ class Outbound(Listener):
                 )
             if pi.drain.draining:
                 raise ProxyError("proxy is draining")
-            source = await pi.local.get()
-            # XDS_ON_DEMAND: an address the state does not know is asked for first (upstream fetch_address).
-            await pi.fetch_address(NetworkAddress(pi.config.network, dst[0]), source.namespace)
+            source = pi.local.find() or await pi.local.get()  # known (but for the first seconds): no coroutine
             if pi.on_demand is not None:
+                # XDS_ON_DEMAND: an address the state does not know is asked for first (upstream fetch_address).
+                await pi.fetch_address(NetworkAddress(pi.config.network, dst[0]), source.namespace)
                 await fetch_references(pi, source, dst[0])
             req = build_request(pi.state, source, src[0], dst, pi.config.network, pi.rng, self.hbone_port)
             if req.resolve_hostname is not None:
@@ -384,11 +390,12 @@ class Outbound(Listener):
             # Through a gateway, the destination is the workload behind it (its identity is checked on the inner
             # TLS), not the gateway the TCP connection goes to.
             dst_wl = req.final_workload or req.actual_destination_workload
+            authority = req.authority  # formatted once: the record's and the CONNECT's
             record = ConnectionRecord(
                 direction=Direction.OUTBOUND,
                 src=src,
                 dst=req.actual_destination,
-                hbone_target=req.authority,
+                hbone_target=authority,
                 src_identity=source.identity if hbone else None,
                 dst_identity=dst_wl.identity if dst_wl is not None and hbone else None,
                 src_workload=source,
@@ -396,14 +403,19 @@ class Outbound(Listener):
                 dst_service=req.intended_destination_service,
                 # Over HBONE we present the source's certificate, so the source reporter claims that identity as
                 # source_principal (upstream ``conn_metrics_from_request``); plain TCP claims none.
-                derived_source=DerivedWorkload(identity=source.identity) if hbone else None,
+                derived_source=DerivedWorkload.of_identity(source.identity) if hbone else None,
                 mtls=hbone,
                 original_dst=dst,
             )
             if req.protocol is OutboundProtocol.DOUBLE_HBONE:
                 await self._double_hbone(plain, src, req, record, ready, traceparent)
             elif hbone:
-                await self._hbone(plain, src, req, record, ready, traceparent)
+                assert authority is not None
+                # Inline rather than a method of its own: one coroutine fewer per connection (its object, frame
+                # and two resumptions).
+                stream = await self._open_outer(src, req, authority, traceparent)
+                record.tunnel = stream.conn  # a CRL revoking the peer closes the pooled connection, and this too
+                self._carry(plain, stream, record, ready)
             else:
                 await self._tcp(plain, req, record, ready)
         except ProxyError as e:
@@ -429,19 +441,6 @@ class Outbound(Listener):
             self.pi.connections.register(record)
             self.pi.connections.release(record, error.flag, str(error))
 
-    async def _hbone(
-        self,
-        plain: PlainConnection,
-        src: tuple[IPAddress, int],
-        req: Request,
-        record: ConnectionRecord,
-        ready: Callable[[ProxyError | None], None] | None,
-        traceparent: str,
-    ) -> None:
-        stream = await self._open_outer(src, req, traceparent)
-        record.tunnel = stream.conn  # a CRL revoking the peer closes the pooled connection, and this with it
-        self._carry(plain, stream, record, ready)
-
     def _carry(
         self,
         plain: PlainConnection,
@@ -462,13 +461,22 @@ class Outbound(Listener):
             ready(None)
         stream.attach(plain, on_done=lambda s: pi.connections.release(record, ResponseFlag.NONE, s.error))
 
-    async def _open_outer(self, src: tuple[IPAddress, int], req: Request, traceparent: str) -> HboneStream:
-        """A CONNECT on a pooled connection to ``req.actual_destination``, answered 200 (else ProxyError)."""
-        authority = req.authority
-        assert authority is not None
+    async def _open_outer(
+        self, src: tuple[IPAddress, int], req: Request, authority: str, traceparent: str
+    ) -> HboneStream:
+        """A CONNECT for ``authority`` on a pooled connection to ``req.actual_destination``, answered 200 (else
+        ProxyError)."""
         key = WorkloadKey(req.source.identity, req.upstream_sans, req.actual_destination, src[0])
         stream = await self.pi.pool.open_stream(key, authority, hbone_headers(req, src, traceparent))
-        await _established(stream)
+        # _established's wait, inline (one coroutine fewer per connection): the answer, 200 or the reason why not.
+        assert stream.response is not None
+        try:
+            status, _headers = await stream.response
+        except ConnectionError as e:
+            raise _stream_failed(stream, e) from None
+        if status != 200:
+            stream.reset()
+            raise HttpStatusError(status)
         return stream
 
     async def _double_hbone(
@@ -484,10 +492,10 @@ class Outbound(Listener):
         TLS handshake with the source's certificate verified against ``final_sans`` and a new, unpooled HTTP/2
         connection whose one CONNECT carries ``x-forwarded-network``."""
         pi = self.pi
-        outer = await self._open_outer(src, req, traceparent)
-        record.tunnel = outer.conn  # the gateway's certificate revoked by a CRL closes the outer connection
         authority = req.authority
         assert authority is not None
+        outer = await self._open_outer(src, req, authority, traceparent)
+        record.tunnel = outer.conn  # the gateway's certificate revoked by a CRL closes the outer connection
         try:
             cert = await pi.certs.fetch_certificate(req.source.identity)
             inner, _pipe = await open_inner(
@@ -539,11 +547,15 @@ async def _established(stream: HboneStream) -> None:
     try:
         status, _headers = await stream.response
     except ConnectionError as e:
-        lost = stream.lost
-        raise ProxyError(f"HBONE stream failed: {e}", timed_out=lost is not None and lost.timed_out) from None
+        raise _stream_failed(stream, e) from None
     if status != 200:
         stream.reset()
         raise HttpStatusError(status)
+
+
+def _stream_failed(stream: HboneStream, e: ConnectionError) -> ProxyError:
+    lost = stream.lost
+    return ProxyError(f"HBONE stream failed: {e}", timed_out=lost is not None and lost.timed_out)
 
 
 def _is_local(pi: ProxyInputs, ip: IPAddress) -> bool:

@@ -27,7 +27,7 @@ import contextlib
 import socket
 import struct
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Protocol
 
 # Bytes kept free before every payload read: room for the 9-byte header of an HTTP/2 DATA frame (RFC 9113 §4.1).
 HDR = 9
@@ -102,10 +102,10 @@ class PlainConnection(asyncio.BufferedProtocol):
     # -- asyncio -----------------------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it.
-        self.transport = cast(asyncio.Transport, transport)
-        transport = self.transport
-        transport.set_write_buffer_limits(high=PLAIN_HIGH_WATER, low=PLAIN_LOW_WATER)
+        # uvloop's transports implement asyncio.Transport without subclassing it (said to mypy without a call:
+        # typing.cast is a Python function, one call per connection and side).
+        self.transport = transport  # type: ignore[assignment]
+        transport.set_write_buffer_limits(high=PLAIN_HIGH_WATER, low=PLAIN_LOW_WATER)  # type: ignore[attr-defined]
         if self._on_made is not None:
             self._on_made(self)
 

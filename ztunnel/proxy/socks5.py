@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import ipaddress
 import logging
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import cast
+from typing import Any
 
 from ztunnel.net import format_addr
 from ztunnel.proxy.common import HttpStatusError, ProxyError, ResponseFlag
@@ -86,9 +87,23 @@ Event = MethodSelected | ConnectRequested | Rejected
 
 def reply(code: Reply, bound: tuple[IPAddress, int] | None = None) -> bytes:
     """``VER REP RSV ATYP BND.ADDR BND.PORT``; the bound address defaults to 0.0.0.0:0, as upstream sends."""
-    ip, port = bound if bound is not None else (ipaddress.IPv4Address(0), 0)
+    if bound is None:
+        return _DEFAULT_REPLIES[code]
+    ip, port = bound
     atyp = ATYP_IPV6 if ip.version == 6 else ATYP_IPV4
     return bytes([VERSION, code, 0x00, atyp]) + ip.packed + struct.pack("!H", port)
+
+
+# Every reply the proxy sends names 0.0.0.0:0: made once, not per connection (an IPv4Address, its packing and a
+# struct.pack were 7 Python calls per SOCKS5 connection).
+_DEFAULT_REPLIES = {code: bytes([VERSION, code, 0x00, ATYP_IPV4, 0, 0, 0, 0, 0, 0]) for code in Reply}
+
+
+@functools.lru_cache(maxsize=1024)
+def _ipv4(packed: bytes) -> ipaddress.IPv4Address:
+    # The same few destinations come back on every connection; addresses are immutable values, so a bounded cache
+    # of them is safe to share (ipaddress's constructor is 3 Python calls a request).
+    return ipaddress.IPv4Address(packed)
 
 
 class Socks5Parser:
@@ -103,11 +118,11 @@ class Socks5Parser:
         return self._state in ("done", "failed")
 
     def receive(self, data: bytes) -> list[Event]:
-        if self.done:
+        if self._state in ("done", "failed"):
             return []
         self._buf += data
         events: list[Event] = []
-        while not self.done:
+        while self._state not in ("done", "failed"):
             ev = self._greeting() if self._state == "greeting" else self._request()
             if ev is None:
                 if len(self._buf) > _MAX_BUFFERED:
@@ -152,7 +167,7 @@ class Socks5Parser:
         if atyp == ATYP_IPV4:
             if len(buf) < 10:
                 return None
-            host, end = ipaddress.IPv4Address(bytes(buf[4:8])), 8
+            host, end = _ipv4(bytes(buf[4:8])), 8
         elif atyp == ATYP_IPV6:
             if len(buf) < 22:
                 return None
@@ -182,7 +197,7 @@ class Socks5Parser:
 # How the outbound path reports back: None when the tunnel is up, else the error.
 ProxyTo = Callable[
     [PlainConnection, tuple[IPAddress, int], tuple[IPAddress, int], Callable[[ProxyError | None], None]],
-    Awaitable[None],
+    Coroutine[Any, Any, None],
 ]
 Resolver = Callable[[str], Awaitable[list[IPAddress]]]
 
@@ -203,6 +218,7 @@ def reply_for(error: ProxyError) -> Reply:
 
 
 _METHOD_REPLY = bytes([VERSION, NO_AUTH])
+_SUCCEEDED = reply(Reply.SUCCEEDED)
 
 
 class _Handshake(asyncio.Protocol):
@@ -214,10 +230,9 @@ class _Handshake(asyncio.Protocol):
         self.socket: OpenSocket | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it.
-        self.transport = cast(asyncio.Transport, transport)
+        # uvloop's transports implement asyncio.Transport without subclassing it (no typing.cast: a Python call).
+        self.transport = transport  # type: ignore[assignment]
         self.socket = OpenSocket(self.owner.pi.connections.traffic, "source")
-        transport = self.transport
         set_accepted_options(transport.get_extra_info("socket"), self.owner.pi.sockets.cfg, keepalive=False)
         self.src = transport_peer(transport)
 
@@ -257,7 +272,16 @@ class _Handshake(asyncio.Protocol):
         plain._pause_reasons |= 1  # resumed when the relay is attached
         transport.set_protocol(plain)
         plain.connection_made(transport)
-        self.owner.pi.tasks.spawn(self.owner.connect(plain, self.src, ev, method_reply), "socks5")
+        owner = self.owner
+        if isinstance(ev.host, str):
+            owner.pi.tasks.spawn(owner.connect(plain, self.src, ev, method_reply), "socks5")
+            return
+        # An IP (what most clients and the benchmark send): the outbound path is this connection's task itself,
+        # without a coroutine around it (a coroutine object, a frame and two resumptions per connection).
+        dst = (ev.host, ev.port)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("SOCKS5 %s -> %s", format_addr(*self.src), format_addr(*dst))
+        owner.pi.tasks.spawn(owner.proxy_to(plain, self.src, dst, _ready(transport, method_reply)), "socks5")
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.socket is not None:  # closed during the handshake
@@ -296,12 +320,18 @@ class Socks5(Listener):
         else:
             ip = ev.host
         dst = (ip, ev.port)
-
-        def ready(error: ProxyError | None) -> None:
-            if transport.is_closing():
-                return
-            transport.write(method_reply + (reply(Reply.SUCCEEDED) if error is None else reply(reply_for(error))))
-
         if log.isEnabledFor(logging.DEBUG):
             log.debug("SOCKS5 %s -> %s", format_addr(*src), format_addr(*dst))
-        await self.proxy_to(plain, src, dst, ready)
+        await self.proxy_to(plain, src, dst, _ready(transport, method_reply))
+
+
+def _ready(transport: asyncio.Transport, method_reply: bytes) -> Callable[[ProxyError | None], None]:
+    """What the outbound path calls once the tunnel is up (None) or failed (the error): the request's reply, with
+    the method reply (if not sent yet) in front of it."""
+
+    def ready(error: ProxyError | None) -> None:
+        if transport.is_closing():
+            return
+        transport.write(method_reply + (_SUCCEEDED if error is None else reply(reply_for(error))))
+
+    return ready

@@ -7,6 +7,7 @@ Upstream ``state.rs`` (``find_upstream``, ``load_balance``, ``finalize_upstream`
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import random
 from dataclasses import dataclass
@@ -53,7 +54,20 @@ class ServiceDescription:
 
     @classmethod
     def of(cls, svc: Service) -> ServiceDescription:
-        return cls(svc.hostname, svc.name, svc.namespace)
+        """The description of ``svc``, made once per Service object (one per routed connection before, each side)."""
+        hit = _DESCRIPTIONS.get(id(svc))
+        if hit is not None and hit[0] is svc:
+            return hit[1]
+        if len(_DESCRIPTIONS) >= 4096:
+            _DESCRIPTIONS.clear()
+        desc = cls(svc.hostname, svc.name, svc.namespace)
+        _DESCRIPTIONS[id(svc)] = (svc, desc)
+        return desc
+
+
+# Descriptions of recent services, by the identity of the Service (immutable, replaced on each xDS update; the entry
+# holds it, so an id is never reused while cached).
+_DESCRIPTIONS: dict[int, tuple[Service, ServiceDescription]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +89,7 @@ class Upstream:
         """
         out: list[Identity] = []
         for san in self.service_sans:
-            ident = Identity.try_parse(san)
+            ident = _san_identity(san)
             if ident is None:
                 log.warning("ignoring invalid SAN %s", san)
             elif ident not in out:
@@ -83,6 +97,13 @@ class Upstream:
         if self.workload.identity not in out:
             out.append(self.workload.identity)
         return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _san_identity(san: str) -> Identity | None:
+    # A service's SANs are the same few strings on every connection to it: each parsed once (identities are
+    # immutable values, so a bounded cache of them is safe to share), not on every routed connection.
+    return Identity.try_parse(san)
 
 
 _ORIGINAL_DESTINATION = object()
@@ -97,10 +118,14 @@ def find_upstream(
     mode: ResolutionMode,
     rng: random.Random,
     trace: Trace | None = None,
+    vip_service: tuple[Service | None] | None = None,
 ) -> tuple[Workload, int, Service | None] | object | None:
-    """(workload, target port, service) for ``ip:port``; the passthrough marker; or None if nothing matches."""
+    """(workload, target port, service) for ``ip:port``; the passthrough marker; or None if nothing matches.
+
+    ``vip_service``: the caller's own ``get_best_by_vip`` answer for the same network, address and namespace (in a
+    1-tuple: None is an answer), so a connection looks the VIP up once."""
     addr = NetworkAddress(network, ip)
-    svc = state.services.get_best_by_vip(addr, source.namespace)
+    svc = vip_service[0] if vip_service is not None else state.services.get_best_by_vip(addr, source.namespace)
     if svc is not None:
         if svc.load_balancer is not None and svc.load_balancer.mode is LoadBalancerMode.PASSTHROUGH:
             if trace is not None:
@@ -236,7 +261,10 @@ def load_balance(
             return None
         best = max(r for r, _, _ in ranked)
         candidates = [(ep, wl) for r, ep, wl in ranked if r == best]
-    weights = [max(wl.capacity, 0) for _, wl in candidates]
+    # One candidate (the usual service of one pod, or a pod's own address) without a comprehension's call.
+    weights = (
+        [max(candidates[0][1].capacity, 0)] if len(candidates) == 1 else [max(w.capacity, 0) for _, w in candidates]
+    )
     if not sum(weights):
         # No candidates, or all of capacity 0: upstream's choose_weighted fails, so there is no upstream.
         if trace is not None:
@@ -256,10 +284,19 @@ def pick_workload_ip(dst: Workload, original_ip: IPAddress, family: IpFamily | N
     preferring the request's; else DNS on the workload hostname; else None (through the network gateway)."""
     if original_ip in dst.workload_ips:
         return original_ip, False
-    allowed = [ip for ip in dst.workload_ips if family is None or family.accepts(ip)]
-    same_family = [ip for ip in allowed if ip.version == original_ip.version]
-    if same_family or allowed:
-        return (same_family or allowed)[0], False
+    # The first allowed IP of the request's family, else the first allowed one: one pass, no lists (a VIP is never
+    # a workload IP, so every service-addressed connection comes here).
+    # The family compared by class (IPv4Address or IPv6Address, canonical): ``version`` is a Python property.
+    same = original_ip.__class__
+    first: IPAddress | None = None
+    for ip in dst.workload_ips:
+        if family is None or family.accepts(ip):
+            if ip.__class__ is same:
+                return ip, False
+            if first is None:
+                first = ip
+    if first is not None:
+        return first, False
     if dst.hostname:
         return None, True
     if dst.network_gateway is None:
@@ -306,8 +343,10 @@ def fetch_upstream(
     port: int,
     rng: random.Random,
     trace: Trace | None = None,
+    vip_service: tuple[Service | None] | None = None,
 ) -> Upstream | None:
-    found = find_upstream(state, network, source, ip, port, ResolutionMode.STANDARD, rng, trace)
+    """The upstream for ``ip:port`` from ``source`` (``vip_service``: as :func:`find_upstream`)."""
+    found = find_upstream(state, network, source, ip, port, ResolutionMode.STANDARD, rng, trace, vip_service)
     return finalize_upstream(found, ip, trace)
 
 
