@@ -161,7 +161,8 @@ class PlainConnection(asyncio.BufferedProtocol):
         # one, so everything offered is gone and start == end already.
         if self.start == self.end:
             self.start = self.end = HDR
-            self._resume(1)
+            if self._pause_reasons or self.reading_paused:  # the usual chunk was never paused: no call
+                self._resume(1)
             if self.eof_received_:
                 peer.plain_eof(self)
         else:

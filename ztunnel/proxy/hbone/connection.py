@@ -27,7 +27,7 @@ import logging
 import ssl
 import time
 from collections.abc import Callable, Iterable
-from typing import cast
+from typing import Protocol, cast
 
 from ztunnel.config import Config
 from ztunnel.identity.spiffe import Identity
@@ -75,6 +75,21 @@ _CIPHER_BUFFER_MAX = 256 * 1024
 _DRAINED = CloseReason(CloseKind.DRAINED, "drained")
 
 
+class _TlsIO(Protocol):
+    """The C object under :class:`ssl.SSLObject` (``_ssl._SSLSocket``): what the pump calls per chunk."""
+
+    def read(self, len: int, buffer: memoryview) -> int: ...
+    def write(self, data: bytes | memoryview) -> int: ...
+    def pending(self) -> int: ...
+
+
+def _tls_io(sslobj: ssl.SSLObject) -> _TlsIO:
+    # SSLObject.read/write/pending are Python methods that only forward to this object: called directly, each
+    # chunk saves their frames (three calls on a 64 B round trip's receiving side, one on its sending side). The
+    # same methods, arguments, results and exceptions; the wrapper itself if a Python ever drops the attribute.
+    return cast(_TlsIO, getattr(sslobj, "_sslobj", sslobj))
+
+
 def http2_settings(config: Config, *, client_side: bool) -> Settings:
     """The HTTP/2 settings of an HBONE connection in either role: upstream's per-role values (``h2/client.rs``,
     ``h2/server.rs``: header list size, the server's 200 concurrent streams) with the window and frame sizes of
@@ -115,6 +130,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         self.peer: tuple[str, int] | None = None
         self.local: tuple[str, int] | None = None
         self.ssl_object: ssl.SSLObject | None = None
+        self._tls: _TlsIO | None = None  # ssl_object's I/O methods (_tls_io), once the handshake is done
         self.peer_identity: Identity | None = None  # set once the peer's certificate was verified
         self.handshake_done = False
         self.closed = False
@@ -228,6 +244,7 @@ class HboneTransport(asyncio.BufferedProtocol):
             self.abort(CloseReason(CloseKind.TLS_HANDSHAKE_FAILED, message, revoked=revoked))
             return
         self.handshake_done = True
+        self._tls = _tls_io(self.ssl_object)
         self._cancel_timer()
         self._flush_tls()
         self._on_handshake(self)  # verifies the peer; may abort
@@ -245,7 +262,7 @@ class HboneTransport(asyncio.BufferedProtocol):
             self.abort(CloseReason(CloseKind.TLS_HANDSHAKE_TIMEOUT, message, timed_out=True))
 
     def _read_tls(self) -> None:
-        sslobj = self.ssl_object
+        sslobj = self._tls
         assert sslobj is not None
         core = self.core
         in_bio = self._in_bio
@@ -261,7 +278,7 @@ class HboneTransport(asyncio.BufferedProtocol):
                 try:
                     # Drain as many TLS records as fit, then parse once: the per-call cost is paid per read.
                     while got < size:
-                        n = cast(int, sslobj.read(size - got, dst[got:]))  # with a buffer: a count
+                        n = sslobj.read(size - got, dst[got:])  # with a buffer: a count
                         if n == 0:
                             break
                         got += n
@@ -368,11 +385,12 @@ class HboneTransport(asyncio.BufferedProtocol):
 
     def flush(self) -> None:
         """Send whatever the HTTP/2 core has queued (now, or at the end of the current dispatch)."""
-        if self._dispatching or self.closed or self.ssl_object is None or not self.handshake_done:
+        tls = self._tls
+        if self._dispatching or self.closed or tls is None:
             return
         pending = self.core.data_to_send()
         if pending:
-            self.ssl_object.write(pending)
+            tls.write(pending)
         # Also what write_frame left in the TLS buffer (DATA frames, written at the stream's flush or, inside a
         # dispatch, at its end): they must go now, not with the next control frame (on a quiet connection, the
         # PING 10 s later).
@@ -381,15 +399,24 @@ class HboneTransport(asyncio.BufferedProtocol):
 
     def write_frame(self, frame: memoryview) -> None:
         """Encrypt queued control frames, then one DATA frame built in place by ``core.frame_data``; they go out
-        with the next :meth:`flush` (one transport write for all the frames of a read, however small the peer's
-        frame size)."""
-        sslobj = self.ssl_object
-        if self.closed or sslobj is None:
+        with the next :meth:`flush_frames` (one transport write for all the frames of a read, however small the
+        peer's frame size)."""
+        tls = self._tls
+        if self.closed or tls is None:
             return
         pending = self.core.data_to_send()
         if pending:
-            sslobj.write(pending)
-        sslobj.write(frame)
+            tls.write(pending)
+        tls.write(frame)
+
+    def flush_frames(self) -> None:
+        """Send what :meth:`write_frame` encrypted (now, or at the end of the current dispatch, with whatever the
+        dispatch queued). The core was drained by the last ``write_frame`` and framing DATA queues nothing, so
+        unlike :meth:`flush` this does not ask it again (a 64 B chunk's send was two ``data_to_send`` calls)."""
+        if self._dispatching or self.closed:
+            return
+        if self._out_bio.pending:
+            self._flush_tls()
 
     def detach(self, stream_id: int) -> None:
         """The stream is finished: forget it (its further events are ignored); a draining connection may close."""

@@ -46,6 +46,7 @@ class StreamConnection(Protocol):
     write_paused: bool
 
     def write_frame(self, frame: memoryview) -> None: ...
+    def flush_frames(self) -> None: ...
     def flush(self) -> None: ...
     def detach(self, stream_id: int) -> None: ...
 
@@ -271,7 +272,8 @@ class HboneStream:
             conn.write_frame(view[start : offset + sent + n])
             sent += n
         if sent:
-            conn.flush()  # every frame of this read in one transport write (at the end of a dispatch, if in one)
+            # Every frame of this read in one transport write (at the end of a dispatch, if in one).
+            conn.flush_frames()
         self.bytes_from_plain += sent
         return sent
 
