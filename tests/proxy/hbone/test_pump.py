@@ -209,3 +209,40 @@ def test_the_receive_buffer_grows_for_a_bulk_read_and_shrinks_when_reads_are_sma
     # A pooled connection that once carried a bulk transfer gives the memory back with its next small read.
     assert len(link.server.core._buf) <= 16 * 1024
     assert link.server_app.take().endswith(b"x" * 1024 + b"y" * 64)
+
+
+def test_a_chunk_from_the_app_is_one_transport_write_and_one_look_at_the_cores_output(link: Link) -> None:
+    core = link.client.core
+    asked: list[bytes] = []
+    real = core.data_to_send
+
+    def data_to_send() -> bytes:
+        asked.append(out := real())
+        return out
+
+    core.data_to_send = data_to_send  # type: ignore[method-assign]
+    core.ping(b"pingpong")  # a control frame queued before the chunk: it must go first, in the same write
+    link.app_sends(b"z" * 64)
+    # Before: write_frame asked the core for its queued frames, then the stream's flush asked again (2 calls).
+    assert len(asked) == 1 and asked[0]  # the PING
+    assert len(link.client_wire.writes) == 1
+    wire = link.client_wire.take()
+    assert [t for t, _ in tls_records(wire)] == [23, 23]  # the PING's record, then the DATA frame's
+    read_into(link.server, wire)
+    assert link.server_app.take() == b"z" * 64
+    link.pump()  # the PING's ACK comes back: the server parsed the PING frame before the DATA
+    assert link.client._ping_sent_at is None
+
+
+def test_many_chunks_keep_their_order_and_flow_control_holds(link: Link) -> None:
+    # More than the 4 MiB stream window, with the server's app taking everything: every byte arrives once, in
+    # order, and the client never sends past the window the server gave (the server would reset the stream).
+    sent = bytearray()
+    for i in range(64):
+        chunk = bytes([i % 251]) * (97 * 1024 + i)
+        sent += chunk
+        link.app_sends(chunk)
+        link.pump()
+    got = link.server_app.take()
+    assert got == bytes(sent)
+    assert link.accepted[0].reset_code is None and not link.stream.done
