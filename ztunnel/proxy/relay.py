@@ -244,6 +244,16 @@ class PlainConnection(asyncio.BufferedProtocol):
         self.bytes_written += len(data)
         return transport.get_write_buffer_size() > 0
 
+    def writelines(self, views: list[memoryview]) -> bool:
+        """Write ``views`` in order with one transport call (uvloop: one ``writev``); True as :meth:`write`."""
+        transport = self.transport
+        if transport is None or self.closed or self.eof_written:
+            return False
+        transport.writelines(views)
+        for view in views:
+            self.bytes_written += len(view)
+        return transport.get_write_buffer_size() > 0
+
     def write_eof(self) -> None:
         """FIN after everything written so far (the transport flushes first)."""
         if self.eof_written or self.closed or self.transport is None:

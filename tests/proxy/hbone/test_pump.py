@@ -9,6 +9,7 @@ costs: writes to the app, transport writes, TLS records, DATA frames. No wall-cl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import struct
 from collections.abc import Iterator
 from datetime import timedelta
@@ -20,7 +21,7 @@ from ztunnel import tls
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.hbone.connection import HboneTransport
-from ztunnel.proxy.hbone.core import ConnectRequested, HboneConnection
+from ztunnel.proxy.hbone.core import SERVER_SETTINGS, ConnectRequested, HboneConnection, Settings
 from ztunnel.proxy.hbone.stream import HboneStream
 from ztunnel.proxy.relay import PlainConnection
 
@@ -41,6 +42,9 @@ class Recorder:
 
     def write(self, data: Any) -> None:
         self.writes.append(bytes(data))
+
+    def writelines(self, items: list[Any]) -> None:
+        self.writes.append(b"".join(items))  # one call: one write (uvloop: one writev)
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return default
@@ -103,7 +107,7 @@ def tls_records(wire: bytes) -> list[tuple[int, int]]:
 class Link:
     """A client and a server HBONE connection, one CONNECT stream relayed to a recording plaintext side each."""
 
-    def __init__(self) -> None:
+    def __init__(self, server_settings: Settings | None = None) -> None:
         ca = LocalCA.generate(TD)
         client_cert = ca.issue(Identity(TD, "default", "client"), timedelta(hours=1))
         server_cert = ca.issue(Identity(TD, "default", "server"), timedelta(hours=1))
@@ -116,7 +120,7 @@ class Link:
         self.server_plain = PlainConnection()
         self.client = HboneTransport(HboneConnection(True), tls.client_context(client_cert), on_handshake=self._ok)
         self.server = HboneTransport(
-            HboneConnection(False),
+            HboneConnection(False, server_settings),
             tls.server_context(server_cert),
             on_handshake=self._ok,
             on_connect_request=self._accept,
@@ -159,14 +163,13 @@ class Link:
         self.server.abort("test done")
 
 
-@pytest.fixture
-def link() -> Iterator[Link]:
+def _built(settings: Settings | None) -> Iterator[Link]:
     # Built inside a running loop (the transports arm their handshake and keepalive timers on it), then driven
     # directly by the tests.
     loop = asyncio.new_event_loop()
 
     async def build() -> Link:
-        return Link()
+        return Link(settings)
 
     try:
         made = loop.run_until_complete(build())
@@ -174,6 +177,17 @@ def link() -> Iterator[Link]:
         made.close()
     finally:
         loop.close()
+
+
+@pytest.fixture
+def link() -> Iterator[Link]:
+    yield from _built(None)
+
+
+@pytest.fixture
+def small_frames_link() -> Iterator[Link]:
+    """The server advertises a 16 KiB SETTINGS_MAX_FRAME_SIZE, so the client sends 16 KiB DATA frames."""
+    yield from _built(dataclasses.replace(SERVER_SETTINGS, max_frame_size=16 * 1024))
 
 
 def grow(link: Link) -> None:
@@ -246,3 +260,18 @@ def test_many_chunks_keep_their_order_and_flow_control_holds(link: Link) -> None
     got = link.server_app.take()
     assert got == bytes(sent)
     assert link.accepted[0].reset_code is None and not link.stream.done
+
+
+def test_a_read_of_many_small_data_frames_is_one_write_to_the_app(small_frames_link: Link) -> None:
+    link = small_frames_link
+    # A peer sending 16 KiB frames (Envoy's default): a 192 KiB chunk is 12 DATA frames; read at once, they reach
+    # the app in one write (a writev of the 12 payloads), in order.
+    grow(link)
+    payload = bytes(range(251)) * 784  # 196,784 B: 12 full frames and a partial one
+    link.app_sends(payload)
+    wire = link.client_wire.take()
+    assert read_into(link.server, wire) == 1
+    # Before: one write to the app per DATA frame (13).
+    assert len(link.server_app.writes) == 1
+    assert link.server_app.writes[0] == payload
+    assert link.accepted[0].bytes_to_plain == link.server_plain.bytes_written

@@ -326,13 +326,24 @@ class HboneTransport(asyncio.BufferedProtocol):
 
     def _dispatch(self, events: list[Event]) -> None:
         streams = self.streams
-        for ev in events:
+        i, count = 0, len(events)
+        while i < count:
+            ev = events[i]
+            i += 1
             if type(ev) is DataReceived:
                 h = streams.get(ev.stream_id)
-                if h is not None:
-                    h.on_data(ev.data, ev.flow_controlled_length)
-                else:
+                if h is None:
                     self.core.ack_data(ev.stream_id, ev.flow_controlled_length)
+                elif i < count and type(nxt := events[i]) is DataReceived and nxt.stream_id == ev.stream_id:
+                    # Several DATA frames of one stream in this read (a peer sending 16 KiB frames, as Envoy does,
+                    # puts 16 in a 256 KiB read): one write of them all to the app (a writev), not one each.
+                    run = [ev]
+                    while i < count and type(nxt := events[i]) is DataReceived and nxt.stream_id == ev.stream_id:
+                        run.append(nxt)
+                        i += 1
+                    h.on_data_run(run)
+                else:
+                    h.on_data(ev.data, ev.flow_controlled_length)
             elif type(ev) is WindowOpened:
                 if ev.stream_id:
                     h = streams.get(ev.stream_id)

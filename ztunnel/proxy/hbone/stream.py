@@ -30,7 +30,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
-from ztunnel.proxy.hbone.core import FRAME_HEADER_SIZE, ErrorCode, HboneConnection
+from ztunnel.proxy.hbone.core import FRAME_HEADER_SIZE, DataReceived, ErrorCode, HboneConnection
 from ztunnel.proxy.hbone.reason import CloseReason
 from ztunnel.proxy.relay import HDR, PlainConnection
 
@@ -187,6 +187,26 @@ class HboneStream:
             self._held += flow_controlled_length
             return
         self._to_plain(data, flow_controlled_length)
+
+    def on_data_run(self, run: list[DataReceived]) -> None:
+        """Consecutive DATA of this stream from one read (wire order): one write to the plaintext side."""
+        plain = self.plain
+        if plain is None:
+            for ev in run:
+                self.on_data(ev.data, ev.flow_controlled_length)
+            return
+        views = [ev.data for ev in run]
+        flow = 0
+        for ev in run:
+            flow += ev.flow_controlled_length
+            self.bytes_to_plain += len(ev.data)
+        if plain.writelines(views):
+            self._core.pin()
+        if plain.write_paused:
+            self._held += flow
+        else:
+            self._core.ack_data(self.stream_id, flow + self._held)
+            self._held = 0
 
     def _to_plain(self, data: memoryview, flow_controlled_length: int) -> None:
         # Per chunk: no flush here, the connection flushes once at the end of the read that delivered it.
