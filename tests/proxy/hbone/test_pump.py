@@ -275,3 +275,23 @@ def test_a_read_of_many_small_data_frames_is_one_write_to_the_app(small_frames_l
     assert len(link.server_app.writes) == 1
     assert link.server_app.writes[0] == payload
     assert link.accepted[0].bytes_to_plain == link.server_plain.bytes_written
+
+
+def test_a_read_that_completes_a_record_cut_by_the_previous_one_is_still_one_write(link: Link) -> None:
+    # In a bulk transfer a socket read ends inside a TLS record; OpenSSL takes that record's start out of the memory
+    # BIO and keeps it. The next read's plaintext is then larger than the BIO's pending ciphertext: its buffer must
+    # hold that too, or it fills and the rest comes as a second, smaller write to the app.
+    grow(link)
+    first = bytes(range(256)) * 600  # 150 KiB
+    second = bytes(range(255, -1, -1)) * 900  # 225 KiB
+    link.app_sends(first)
+    link.app_sends(second)
+    wire = link.client_wire.take()
+    records = tls_records(wire)
+    cut = sum(5 + length for _, length in records[:10]) + 10_000  # inside the 11th record
+    read_into(link.server, wire[:cut])
+    link.server_app.take()
+    assert read_into(link.server, wire[cut:]) == 1
+    # Before: 2 writes (a 256 KiB buffer for the BIO's 256 KiB of ciphertext, plus OpenSSL's 10,000 held bytes).
+    assert len(link.server_app.writes) == 1
+    assert (first + second).endswith(link.server_app.writes[0])

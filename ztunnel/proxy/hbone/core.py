@@ -385,12 +385,12 @@ class HboneConnection:
     # -- receiving -------------------------------------------------------------------------------------------
 
     def get_buffer(self, size_hint: int = -1) -> memoryview:
-        """Where the next received bytes go: room for at least ``size_hint`` bytes (at most 256 KiB; the
+        """Where the next received bytes go: room for at least ``size_hint`` bytes (at most 512 KiB; the
         reader's estimate of what it has to deliver, so a read's records land in one buffer and come out as one
         event). Views from earlier events are invalid after this call."""
         start, end = self._start, self._end
         pending = end - start
-        need = max(self._need, pending + min(max(size_hint, _MIN_BUFFER), _READ_CHUNK))
+        need = max(self._need, pending + min(max(size_hint, _MIN_BUFFER), 2 * _READ_CHUNK))
         size = len(self._buf)
         if self._pinned or size < need or (pending == 0 and size > 8 * need):
             # A consumer still holds views into the old buffer (leave it to them), a frame or the read needs more
