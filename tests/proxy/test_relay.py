@@ -137,3 +137,52 @@ def test_preloaded_bytes_once_passed_on_leave_no_buffer() -> None:
     held.preload(b"abc")
     held.attach(Recorder(accept=1))  # what the peer cannot take yet stays buffered
     assert len(held.buf) > 0 and held.end - held.start == 2
+
+
+def _bulk(plain: PlainConnection) -> None:
+    """Reads that fill the buffer until it has its largest size."""
+    while len(plain.get_buffer(-1)) < _MAX_BUFFER:
+        read(plain, b"z" * len(plain.get_buffer(-1)))
+
+
+def test_a_drained_largest_buffer_is_reused_by_the_next_read_not_allocated_again() -> None:
+    plain, peer = attached()
+    _bulk(plain)
+    first = plain.buf
+    read(plain, b"a" * (_MAX_BUFFER // 2))  # a big read that does not fill it: drained, given back
+    assert len(plain.buf) == 0
+    plain.get_buffer(-1)
+    # Before: a fresh 256 KiB bytearray (malloc and memset) for every such read.
+    assert plain.buf is first
+    other, _ = attached()
+    _bulk(other)
+    assert other.buf is not first  # one socket's buffer is never another's at the same time
+    read(plain, b"b" * 1000)
+    assert peer.got.endswith(b"a" * (_MAX_BUFFER // 2) + b"b" * 1000)
+
+
+def test_a_buffer_a_transport_kept_is_never_reused() -> None:
+    class Keeper(Recorder):
+        """A peer whose transport keeps a view of what it took (the socket could not take it at once)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.kept: list[memoryview] = []
+            self.keeping = False
+
+        def send_from_plain(self, plain: PlainConnection, offset: int, length: int) -> int:
+            if self.keeping:
+                self.kept.append(plain.view[offset : offset + length])
+                plain.pin()
+            return length
+
+    plain, keeper = PlainConnection(), Keeper()
+    plain.attach(keeper)
+    _bulk(plain)
+    keeper.keeping = True
+    other, _ = attached()
+    for i in range(8):
+        read(plain, bytes([65 + i]) * (_MAX_BUFFER // 2))  # kept by the transport: must not become a spare
+        _bulk(other)  # another socket's reads in between, into whatever buffers it gets (the spares)
+        read(other, b"x" * (_MAX_BUFFER // 2))
+    assert [bytes(v) for v in keeper.kept] == [bytes([65 + i]) * (_MAX_BUFFER // 2) for i in range(8)]

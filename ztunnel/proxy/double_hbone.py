@@ -236,6 +236,11 @@ class _OuterEnd(_TransportBase):
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.pipe.outer_wrote(data)
 
+    def writelines(self, items: list[memoryview]) -> None:
+        # The relay's write of several DATA frames of one read (PlainConnection.writelines).
+        for data in items:
+            self.pipe.outer_wrote(data)
+
     def write_eof(self) -> None:
         self.pipe.outer_eof()
 

@@ -396,17 +396,20 @@ class HboneConnection:
     # -- receiving -------------------------------------------------------------------------------------------
 
     def get_buffer(self, size_hint: int = -1) -> memoryview:
-        """Where the next received bytes go. Views from earlier events are invalid after this call."""
+        """Where the next received bytes go: room for at least ``size_hint`` bytes (at most 512 KiB; the
+        reader's estimate of what it has to deliver, so a read's records land in one buffer and come out as one
+        event). Views from earlier events are invalid after this call."""
         start, end = self._start, self._end
         pending = end - start
-        need = max(self._need, pending + _MIN_BUFFER)
+        need = max(self._need, pending + min(max(size_hint, _MIN_BUFFER), 2 * _READ_CHUNK))
         size = len(self._buf)
-        if self._pinned or size < need:
-            # A consumer still holds views into the old buffer (leave it to them), or a frame needs more room.
+        if self._pinned or size < need or (pending == 0 and size > 8 * need):
+            # A consumer still holds views into the old buffer (leave it to them), a frame or the read needs more
+            # room, or a bulk transfer's buffer is idle while reads are small again (give the memory back).
             self._pinned = False
-            size = max(size, _MIN_BUFFER)
-            while size < need:
-                size *= 2
+            # In whole 16 KiB steps, not powers of two: a 256 KiB read plus a partial frame header must not take
+            # 512 KiB.
+            size = -(-need // _MIN_BUFFER) * _MIN_BUFFER
             new = bytearray(size)
             new[:pending] = self._view[start:end]
             self._buf = new

@@ -30,7 +30,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
-from ztunnel.proxy.hbone.core import FRAME_HEADER_SIZE, ErrorCode, HboneConnection
+from ztunnel.proxy.hbone.core import FRAME_HEADER_SIZE, DataReceived, ErrorCode, HboneConnection
 from ztunnel.proxy.hbone.reason import CloseReason
 from ztunnel.proxy.relay import HDR, PlainConnection
 
@@ -46,6 +46,7 @@ class StreamConnection(Protocol):
     write_paused: bool
 
     def write_frame(self, frame: memoryview) -> None: ...
+    def flush_frames(self) -> None: ...
     def flush(self) -> None: ...
     def detach(self, stream_id: int) -> None: ...
 
@@ -187,6 +188,26 @@ class HboneStream:
             return
         self._to_plain(data, flow_controlled_length)
 
+    def on_data_run(self, run: list[DataReceived]) -> None:
+        """Consecutive DATA of this stream from one read (wire order): one write to the plaintext side."""
+        plain = self.plain
+        if plain is None:
+            for ev in run:
+                self.on_data(ev.data, ev.flow_controlled_length)
+            return
+        views = [ev.data for ev in run]
+        flow = 0
+        for ev in run:
+            flow += ev.flow_controlled_length
+            self.bytes_to_plain += len(ev.data)
+        if plain.writelines(views):
+            self._core.pin()
+        if plain.write_paused:
+            self._held += flow
+        else:
+            self._core.ack_data(self.stream_id, flow + self._held)
+            self._held = 0
+
     def _to_plain(self, data: memoryview, flow_controlled_length: int) -> None:
         # Per chunk: no flush here, the connection flushes once at the end of the read that delivered it.
         plain = self.plain
@@ -271,7 +292,8 @@ class HboneStream:
             conn.write_frame(view[start : offset + sent + n])
             sent += n
         if sent:
-            conn.flush()  # every frame of this read in one transport write (at the end of a dispatch, if in one)
+            # Every frame of this read in one transport write (at the end of a dispatch, if in one).
+            conn.flush_frames()
         self.bytes_from_plain += sent
         return sent
 
