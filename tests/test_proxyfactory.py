@@ -240,5 +240,7 @@ async def test_hbone_metrics_access_namespaced(tmp_path: Path) -> None:
                 ]
             )
             assert len(refused) == 1 and "policy rejection" in refused[0]["error"], refused
-            outbound = [r for r in c.access("node1") if r["direction"] == "outbound"]
+            outbound = await eventually(  # the second connection's outbound line may follow its peer's lines
+                lambda: [r for r in c.access("node1") if r["direction"] == "outbound"], until=lambda rs: len(rs) >= 2
+            )
             assert [r["dst.hbone_addr"] for r in outbound] == [f"{zt}:15020"] * 2
