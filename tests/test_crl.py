@@ -189,8 +189,11 @@ async def test_revoked_client_is_refused_and_an_open_tunnel_closed_on_update(
     with a certificate revoked later is closed when the CRL file changes, its stream reported CERT_REVOKED."""
     m, ca, _echo, crl = mesh
     caplog.set_level(logging.INFO, logger="access")
+    caplog.set_level(logging.INFO, logger="ztunnel.crl")
     target = f"{m.server_app[0]}:{m.server_app[1]}"
     async with running_app(m.env_b(CRL_PATH=str(crl))):
+        # The start-up check's load is the one the data plane watches: the file is parsed once, not twice.
+        assert sum(r.getMessage().startswith("loaded ") for r in caplog.records if r.name == "ztunnel.crl") == 1
         victim = ca.issue(CLIENT, HOUR)
         conn: Any = await hbone_dial((m.node_b, 15008), victim)
         status, reader, writer = await hbone_tunnel(conn, target)

@@ -139,13 +139,16 @@ class App:
             self.xds_client = client
             self.tasks.spawn(client.run(), "xds client")
         self.certs = self._certificate_provider()
+        checked_crls: CrlManager | None = None
         if self.config.crl_path is not None:
             try:  # checked here so a broken CRL_PATH fails the start with the file and block named
-                crls = CrlManager.start(self.config.crl_path, None, check_crls).current
+                checked_crls = CrlManager.start(self.config.crl_path, None, check_crls)
             except CrlError as e:
                 raise StartupError(str(e)) from None
             log.info(
-                "CRL_PATH=%s: %d CRL(s); revoked peer certificates are refused", self.config.crl_path, len(crls.crls)
+                "CRL_PATH=%s: %d CRL(s); revoked peer certificates are refused",
+                self.config.crl_path,
+                len(checked_crls.current.crls),
             )
         if not self.config.inline_data_plane:
             await self._start_workers(state_ready)
@@ -155,7 +158,9 @@ class App:
             self.config,
             self.state,
             self.certs,
-            TlsContextCache(self.config.tls12_enabled, crl_manager(self.config, self.crl_metrics, self.tasks)),
+            TlsContextCache(
+                self.config.tls12_enabled, crl_manager(self.config, self.crl_metrics, self.tasks, loaded=checked_crls)
+            ),
             self.traffic,
             self.dns_metrics,
             on_demand=self._on_demand(),

@@ -39,7 +39,12 @@ log = logging.getLogger("ztunnel.proxyfactory")
 
 
 def crl_manager(
-    config: Config, metrics: CrlCounters | None, tasks: TaskGroup, *, strict: bool = True
+    config: Config,
+    metrics: CrlCounters | None,
+    tasks: TaskGroup,
+    *,
+    strict: bool = True,
+    loaded: CrlManager | None = None,
 ) -> CrlManager | None:
     """The process's CRL manager when ``CRL_PATH`` is set (upstream builds it in ``ProxyFactory::new``), watching
     the file in a task of ``tasks`` (cancelled with them at shutdown).
@@ -48,11 +53,17 @@ def crl_manager(
     the file and the block named; stricter than upstream, which then logs a warning and checks no revocation at
     all). A worker process, started after the control process checked the file, is not strict: should the file
     break in between, it logs the error and loads the file as soon as it parses again.
+
+    ``loaded``: a manager that already loaded the file (the start-up check), watched from here instead of parsing
+    the file a second time.
     """
     if config.crl_path is None:
         return None
-    path = config.crl_path
-    manager = (CrlManager.start if strict else CrlManager.lenient)(path, metrics, tls.check_crls)
+    if loaded is not None:
+        manager = loaded
+        manager.metrics = metrics
+    else:
+        manager = (CrlManager.start if strict else CrlManager.lenient)(config.crl_path, metrics, tls.check_crls)
     tasks.spawn(manager.poll(), "crl watch")
     return manager
 
