@@ -241,6 +241,13 @@ def test_stream_teardown_checks_inline(counts: Counts) -> None:
     assert _calls(counts, "ztunnel/proxy/hbone/stream.py", "_finish") == pytest.approx(2.0), counts  # anchor
 
 
+def test_a_finished_stream_is_not_called_back_by_its_socket(counts: Counts) -> None:
+    """A stream that finished both ways closes its plaintext socket and lets go of it: the socket's
+    ``connection_lost`` does not call ``plain_lost`` of a stream already done. Before: 2 (once a stream)."""
+    assert _calls(counts, "ztunnel/proxy/hbone/stream.py", "plain_lost") == 0, counts
+    assert _calls(counts, "ztunnel/proxy/relay.py", "connection_lost") >= 2.0, counts  # anchor: the sockets closed
+
+
 def test_python_calls_per_connection_in_the_hbone_adapters(counts: Counts) -> None:
     """All calls of the adapters' functions (pool, stream, connection), and the calls they make, both nodes per
     connection. Before: 85 and 172; a bound with a little room above the result, as for the other paths."""

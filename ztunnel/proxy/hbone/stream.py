@@ -330,6 +330,9 @@ class HboneStream:
         plain = self.plain
         if self.remote_ended and self.local_ended and plain is not None and plain.eof_written:
             plain.close()
+            # Finished both ways: the socket's connection_lost need not call back (plain_lost would return at once;
+            # a call per stream saved).
+            plain.peer = None
             self._finish()
 
     def _finish(self) -> None:
