@@ -250,9 +250,10 @@ def test_a_finished_stream_is_not_called_back_by_its_socket(counts: Counts) -> N
 
 def test_python_calls_per_connection_in_the_hbone_adapters(counts: Counts) -> None:
     """All calls of the adapters' functions (pool, stream, connection), and the calls they make, both nodes per
-    connection. Before: 85 and 172; a bound with a little room above the result, as for the other paths."""
+    connection. Before: 85 and 172; after: 72 and 159. A bound with a little room above the result, as for the
+    other paths, so the next change that adds calls here is a decision, not an accident."""
     own = sum(v for (path, _name), v in counts.items() if ":" not in path and path in ADAPTERS)
     made = sum(v for (callee, caller), v in counts.items() if ":" in callee and caller in ADAPTERS)
     assert own >= 50, counts  # anchor: the adapters ran
-    assert own <= 80, own
-    assert made <= 165, made
+    assert own <= 75, own
+    assert made <= 162, made
