@@ -467,7 +467,10 @@ class Outbound(Listener):
         """A CONNECT for ``authority`` on a pooled connection to ``req.actual_destination``, answered 200 (else
         ProxyError)."""
         key = WorkloadKey(req.source.identity, req.upstream_sans, req.actual_destination, src[0])
-        stream = await self.pi.pool.open_stream(key, authority, hbone_headers(req, src, traceparent))
+        headers = hbone_headers(req, src, traceparent)
+        pool = self.pi.pool
+        # A pooled connection with room (the common case) in one plain call; the coroutine only to dial or wait.
+        stream = pool.try_open_stream(key, authority, headers) or await pool.open_stream(key, authority, headers)
         # _established's wait, inline (one coroutine fewer per connection): the answer, 200 or the reason why not.
         assert stream.response is not None
         try:

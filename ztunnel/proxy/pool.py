@@ -92,27 +92,19 @@ class WorkloadHBONEPool:
 
     # -- checkout ----------------------------------------------------------------------------------------------
 
-    def _capacity(self, conn: HboneTransport) -> int:
-        limit = self.max_streams
-        if conn.max_concurrent_streams is not None:
-            limit = min(limit, conn.max_concurrent_streams)
-        return limit
+    def try_open_stream(self, key: WorkloadKey, authority: str, headers: list[tuple[str, str]]) -> HboneStream | None:
+        """Open a CONNECT stream on a pooled connection of ``key`` with room for one more, if there is one (else
+        ``None``: :meth:`open_stream` dials or waits for a dial). The response is ``stream.response``.
 
-    def _usable(self, conn: HboneTransport) -> bool:
-        return (
-            not conn.closed
-            and not conn.draining
-            and not conn.goaway_received
-            and conn.stream_count < self._capacity(conn)
-        )
-
-    def _find(self, key: WorkloadKey) -> HboneTransport | None:
+        The common case of every new connection once the pool is warm, so plain calls: no coroutine to await, and
+        the room checked by the connection as it opens the stream, not through three helpers and two properties
+        (2 Python calls instead of 7)."""
         conns = self._conns.get(key)
-        if not conns:
-            return None
-        for conn in conns:
-            if self._usable(conn):
-                return conn
+        if conns and not self.closed:
+            for conn in conns:
+                stream = conn.open_stream_within(self.max_streams, authority, headers)
+                if stream is not None:
+                    return stream
         return None
 
     async def open_stream(self, key: WorkloadKey, authority: str, headers: list[tuple[str, str]]) -> HboneStream:
@@ -120,9 +112,9 @@ class WorkloadHBONEPool:
         if self.closed:
             raise ProxyError("proxy is shutting down")
         while True:
-            conn = self._find(key)
-            if conn is not None:
-                return conn.open_stream(authority, headers)
+            stream = self.try_open_stream(key, authority, headers)
+            if stream is not None:
+                return stream
             pending = self._dialing.get(key)
             if pending is not None:
                 # Someone is already dialling this key: share that handshake.

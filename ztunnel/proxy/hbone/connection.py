@@ -462,6 +462,28 @@ class HboneTransport(asyncio.BufferedProtocol):
         self.flush()
         return stream
 
+    def open_stream_within(
+        self, limit: int, authority: str, headers: Iterable[tuple[str, str]] = ()
+    ) -> HboneStream | None:
+        """Client: :meth:`open_stream`, if this connection takes new streams (not closed, draining or sent GOAWAY)
+        and has fewer than ``limit`` open (or the peer's ``SETTINGS_MAX_CONCURRENT_STREAMS``, if lower); else
+        ``None``. The pool's checkout: the checks and the open in one call per new connection."""
+        if self.closed or self.draining or self.core.goaway_received is not None:
+            return None
+        peer_limit = self.max_concurrent_streams
+        if peer_limit is not None and peer_limit < limit:
+            limit = peer_limit
+        streams = self.streams
+        if len(streams) >= limit:
+            return None
+        # open_stream's body (a call fewer per connection; the same CONNECT). No last_active here: the reaper
+        # closes only connections without streams, and detach() stamps it when the last one finishes.
+        stream_id = self.core.send_connect(authority, headers, "CONNECT")
+        stream = HboneStream(self, stream_id, self._loop.create_future())
+        streams[stream_id] = stream
+        self.flush()
+        return stream
+
     def respond(self, stream: HboneStream, status: int, headers: Iterable[tuple[str, str]] = ()) -> None:
         """Server: answer a CONNECT (200: the tunnel is up; attach the stream to relay it)."""
         self.core.send_response(stream.stream_id, status, headers)

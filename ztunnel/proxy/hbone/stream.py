@@ -122,7 +122,8 @@ class HboneStream:
         if self.conn.write_paused:
             plain.pause_reading()
         plain.attach(self)
-        self._maybe_done()
+        if self.remote_ended and self.local_ended:  # both ended before the attach (rare): finish now
+            self._maybe_done()
 
     # -- for the connection record: bound methods, not per-tunnel closures (~150 B less each, 6 per tunnel) -----
 
@@ -228,9 +229,11 @@ class HboneStream:
 
     def on_end(self) -> None:
         self.remote_ended = True
-        if self.plain is not None:
-            self.plain.write_eof()
-        self._maybe_done()
+        plain = self.plain
+        if plain is not None:
+            plain.write_eof()
+        if self.local_ended:  # checked here, not in a call per half-close: the stream finishes with this one
+            self._maybe_done()
 
     def on_reset(self, error_code: int) -> None:
         self.reset_code = error_code
@@ -298,8 +301,13 @@ class HboneStream:
         return sent
 
     def plain_eof(self, plain: PlainConnection) -> None:
-        self.end()
-        self._maybe_done()
+        # end(), inline: the plaintext side's FIN is END_STREAM once per stream.
+        if not self.local_ended:
+            self.local_ended = True
+            self._core.end_stream(self.stream_id)
+            self.conn.flush()
+        if self.remote_ended:
+            self._maybe_done()
 
     def plain_lost(self, plain: PlainConnection, exc: Exception | None) -> None:
         if self.done:
@@ -322,6 +330,9 @@ class HboneStream:
         plain = self.plain
         if self.remote_ended and self.local_ended and plain is not None and plain.eof_written:
             plain.close()
+            # Finished both ways: the socket's connection_lost need not call back (plain_lost would return at once;
+            # a call per stream saved).
+            plain.peer = None
             self._finish()
 
     def _finish(self) -> None:
