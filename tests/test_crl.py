@@ -152,14 +152,15 @@ async def ended(reader: asyncio.StreamReader) -> bool:
 
 
 async def scraped_until(node_ip: str, key: tuple[str, str], value: float) -> dict[tuple[str, str], float]:
-    """The CRL samples once ``key`` reached ``value`` (a scrape every 10 ms, 5 s at most: the count is written a
-    moment after the client saw the end)."""
-    for _ in range(500):
+    """The CRL samples once ``key`` reached ``value`` (scraped every 10 ms for at most 10 s of the clock: the count is
+    written a moment after the client saw the end, and on a loaded machine one scrape of merged worker metrics can
+    take a large part of a second, so a number of tries would overrun the test's timeout)."""
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
         got = await crl_samples(node_ip)
-        if got.get(key) == value:
-            break
+        if got.get(key) == value or asyncio.get_running_loop().time() >= deadline:
+            return got
         await asyncio.sleep(0.01)
-    return got
 
 
 async def failed_flags(node_ip: str, reporter: str) -> list[str]:
