@@ -16,6 +16,7 @@ from ztunnel.errors import ZtunnelError
 from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.spiffe import Identity
 from ztunnel.net import format_addr
+from ztunnel.proxy.hbone.reason import CloseReason
 from ztunnel.state import ProxyState
 from ztunnel.state.service import Service
 from ztunnel.state.upstream import ServiceDescription
@@ -50,6 +51,20 @@ class ProxyError(ZtunnelError):
         super().__init__(message)
         self.flag = flag
         self.timed_out = timed_out
+
+    @classmethod
+    def server_rejected(cls, what: str, e: tls.TlsError) -> ProxyError:
+        """Our check of an HBONE server's certificate after its handshake failed (``what``: the connection, for the
+        log). A certificate webpki would refuse inside the handshake (a CA as the leaf) is a TLS failure upstream,
+        any other mismatch an identity error."""
+        flag = ResponseFlag.TLS_FAILURE if isinstance(e, tls.HandshakeFailed) else ResponseFlag.IDENTITY_ERROR
+        return cls(f"{what}: {e}", flag)
+
+    @classmethod
+    def closed_before_ready(cls, what: str, reason: CloseReason) -> ProxyError:
+        """An HBONE client connection ended before it was ready: a failed TLS handshake, or any other end."""
+        flag = ResponseFlag.TLS_FAILURE if reason.tls_failure else ResponseFlag.CONNECT
+        return cls(f"{what}: {reason}", flag, timed_out=reason.timed_out)
 
 
 class HttpStatusError(ProxyError):

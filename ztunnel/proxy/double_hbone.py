@@ -39,7 +39,7 @@ from typing import Any, cast
 
 from ztunnel import tls
 from ztunnel.identity.spiffe import Identity
-from ztunnel.proxy.common import ProxyError, ResponseFlag
+from ztunnel.proxy.common import ProxyError
 from ztunnel.proxy.hbone.connection import CLOSE_TIMEOUT, WRITE_HIGH_WATER, WRITE_LOW_WATER, HboneTransport
 from ztunnel.proxy.hbone.core import HboneConnection, Settings
 from ztunnel.proxy.hbone.reason import CloseKind, CloseReason
@@ -306,8 +306,7 @@ async def open_inner(
             t.peer_identity = tls.verify_server_identity(t.ssl_object, expected)
         except tls.TlsError as e:
             if not done.done():
-                flag = ResponseFlag.TLS_FAILURE if isinstance(e, tls.HandshakeFailed) else ResponseFlag.IDENTITY_ERROR
-                done.set_exception(ProxyError(f"inner TLS to {describe}: {e}", flag))
+                done.set_exception(ProxyError.server_rejected(f"inner TLS to {describe}", e))
             t.abort(CloseReason(CloseKind.PEER_REJECTED, str(e)))
             return
         if not done.done():
@@ -316,10 +315,7 @@ async def open_inner(
     def on_closed(t: HboneTransport) -> None:
         reason = t.close_reason
         if not done.done() and reason is not None:
-            flag = ResponseFlag.TLS_FAILURE if reason.tls_failure else ResponseFlag.CONNECT
-            done.set_exception(
-                ProxyError(f"inner HBONE connection to {describe}: {reason}", flag, timed_out=reason.timed_out)
-            )
+            done.set_exception(ProxyError.closed_before_ready(f"inner HBONE connection to {describe}", reason))
 
     inner = HboneTransport(HboneConnection(True, settings), ssl_context, on_handshake=on_handshake, on_closed=on_closed)
     pipe = StreamPipe(inner, peer)

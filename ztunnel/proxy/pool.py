@@ -170,11 +170,7 @@ class WorkloadHBONEPool:
             except tls.TlsError as e:
                 # Report first: abort() runs on_closed, which would otherwise claim the failure as CONNECT.
                 if not done.done():
-                    # A certificate webpki would refuse inside the handshake (CA as leaf) is a TLS failure upstream.
-                    flag = (
-                        ResponseFlag.TLS_FAILURE if isinstance(e, tls.HandshakeFailed) else ResponseFlag.IDENTITY_ERROR
-                    )
-                    done.set_exception(ProxyError(f"TLS to {format_addr(ip, port)}: {e}", flag))
+                    done.set_exception(ProxyError.server_rejected(f"TLS to {format_addr(ip, port)}", e))
                 t.abort(CloseReason(CloseKind.PEER_REJECTED, str(e)))
                 return
             crl = self._contexts.crl
@@ -196,9 +192,9 @@ class WorkloadHBONEPool:
                 if reason is not None and reason.revoked and crl.metrics is not None:
                     crl.metrics.rejected(REPORTER_OUTBOUND)
             if not done.done() and reason is not None:
-                flag = ResponseFlag.TLS_FAILURE if reason.tls_failure else ResponseFlag.CONNECT
-                message = f"HBONE connection to {format_addr(ip, port)}: {reason}"
-                done.set_exception(ProxyError(message, flag, timed_out=reason.timed_out))
+                done.set_exception(
+                    ProxyError.closed_before_ready(f"HBONE connection to {format_addr(ip, port)}", reason)
+                )
             self._remove(key, t)
 
         try:
