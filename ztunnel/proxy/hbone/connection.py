@@ -80,7 +80,7 @@ class _TlsIO(Protocol):
     """The C object under :class:`ssl.SSLObject` (``_ssl._SSLSocket``): what the pump calls per chunk."""
 
     def read(self, len: int, buffer: memoryview) -> int: ...
-    def write(self, data: bytes | memoryview) -> int: ...
+    def write(self, data: bytes | bytearray | memoryview) -> int: ...
     def pending(self) -> int: ...
 
 
@@ -406,13 +406,16 @@ class HboneTransport(asyncio.BufferedProtocol):
         tls = self._tls
         if self._dispatching or self.closed or tls is None:
             return
-        pending = self.core.data_to_send()
-        if pending:
-            tls.write(pending)
+        # The core's queued frames read in place (no call, nothing allocated when, as per chunk, none is queued).
+        out = self.core.out
+        if out:
+            tls.write(out)
+            out.clear()
+            self._flush_tls()
         # Also what write_frame left in the TLS buffer (DATA frames, written at the stream's flush or, inside a
         # dispatch, at its end): they must go now, not with the next control frame (on a quiet connection, the
         # PING 10 s later).
-        if pending or self._out_bio.pending:
+        elif self._out_bio.pending:
             self._flush_tls()
 
     def write_frame(self, frame: memoryview) -> None:
@@ -422,9 +425,10 @@ class HboneTransport(asyncio.BufferedProtocol):
         tls = self._tls
         if self.closed or tls is None:
             return
-        pending = self.core.data_to_send()
-        if pending:
-            tls.write(pending)
+        out = self.core.out
+        if out:
+            tls.write(out)
+            out.clear()
         tls.write(frame)
 
     def flush_frames(self) -> None:
