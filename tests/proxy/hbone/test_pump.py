@@ -306,8 +306,9 @@ def test_a_64_byte_round_trip_costs_few_python_calls_in_the_http2_core(link: Lin
     # _continue_data and _finish_data on the receiver, and a DataReceived __init__ (generated code).
     assert per_rt == {"frame_data": 2, "get_buffer": 2, "buffer_updated": 2, "ack_data": 2}
     assert generated == 0
-    # All of this package's Python calls per round trip (pump, stream, relay, core): 58 before, 40 after.
-    assert package / rounds <= 40
+    # All of this package's Python calls per round trip (pump, stream, relay, core): 58 before; 40 with the core's
+    # cuts, 34 with the pump's (a lone DATA event to its stream without _dispatch, _to_plain and _flush_tls inline).
+    assert package / rounds <= 34
 
 
 def test_many_chunks_keep_their_order_and_flow_control_holds(link: Link) -> None:

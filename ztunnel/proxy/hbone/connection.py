@@ -304,7 +304,17 @@ class HboneTransport(asyncio.BufferedProtocol):
                     return
                 if not got:
                     break
-                self._dispatch(core.buffer_updated(got))
+                events = core.buffer_updated(got)
+                if (
+                    len(events) == 1
+                    and type(ev := events[0]) is DataReceived
+                    and (h := self.streams.get(ev.stream_id)) is not None
+                ):
+                    # One chunk of one stream, the usual read of interactive traffic: to its stream without
+                    # _dispatch's frame (one Python call less per chunk).
+                    h.on_data(ev.data, ev.flow_controlled_length)
+                else:
+                    self._dispatch(events)
                 if got < size:
                     break
                 hint = size  # it filled: as much again (never a smaller buffer in the middle of a read)
@@ -433,12 +443,14 @@ class HboneTransport(asyncio.BufferedProtocol):
 
     def flush_frames(self) -> None:
         """Send what :meth:`write_frame` encrypted (now, or at the end of the current dispatch, with whatever the
-        dispatch queued). The core was drained by the last ``write_frame`` and framing DATA queues nothing, so
-        unlike :meth:`flush` this does not ask it again (a 64 B chunk's send was two ``data_to_send`` calls)."""
+        dispatch queued). The core's queue was emptied by the last ``write_frame`` and framing DATA queues nothing, so
+        unlike :meth:`flush` this does not look at it again."""
         if self._dispatching or self.closed:
             return
-        if self._out_bio.pending:
-            self._flush_tls()
+        # _flush_tls's body, inline: once per chunk sent.
+        data = self._out_bio.read()
+        if data and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
 
     def detach(self, stream_id: int) -> None:
         """The stream is finished: forget it (its further events are ignored); a draining connection may close."""
