@@ -332,7 +332,8 @@ class HboneTransport(asyncio.BufferedProtocol):
                 # Use, for the pool's idle eviction, is traffic of streams: the PINGs both sides send every 10 s on
                 # an idle connection must not keep it in the pool forever (POOL_UNUSED_RELEASE_TIMEOUT is 5 min).
                 self.last_active = time.monotonic()
-            self.flush()
+            if core.out or self._out_bio.pending:  # usually neither after a chunk: no flush call
+                self.flush()
 
     def _flush_tls(self) -> None:
         data = self._out_bio.read()
