@@ -30,13 +30,14 @@ wire order.
 Flow control: the connection window is released as soon as bytes are taken off the connection (the consumer has
 them), so one slow stream cannot stall the others; a stream's window is released by the consumer
 (:meth:`ack_data`) once the bytes have left, so a slow reader holds back at most its 4 MiB stream window. Window
-updates are batched (sent once a quarter of the window is consumed) so small request/response traffic costs no
-extra frames.
+updates are batched (queued once a quarter of the window is consumed: the connection's at the end of the parse,
+a stream's in :meth:`ack_data`) so small request/response traffic costs no extra frames.
 
 Sending: :meth:`frame_data` writes the 9-byte DATA header into the caller's buffer just before the payload, so
 header and payload reach TLS as one contiguous write (one record, no copy). Anything queued (SETTINGS and PING
-ACKs, HEADERS, RST_STREAM, END_STREAM, WINDOW_UPDATE, GOAWAY) is returned first, so frames leave in the order they
-were made.
+ACKs, HEADERS, RST_STREAM, END_STREAM, WINDOW_UPDATE, GOAWAY) is in :attr:`HboneConnection.out` and is sent first,
+so frames leave in the order they were made; the I/O layer reads and clears it in place (per chunk it is empty, and
+looking costs no call), tests and slow paths take it with :meth:`HboneConnection.data_to_send`.
 """
 
 from __future__ import annotations
