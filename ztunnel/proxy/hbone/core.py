@@ -30,13 +30,14 @@ wire order.
 Flow control: the connection window is released as soon as bytes are taken off the connection (the consumer has
 them), so one slow stream cannot stall the others; a stream's window is released by the consumer
 (:meth:`ack_data`) once the bytes have left, so a slow reader holds back at most its 4 MiB stream window. Window
-updates are batched (sent once a quarter of the window is consumed) so small request/response traffic costs no
-extra frames.
+updates are batched (queued once a quarter of the window is consumed: the connection's at the end of the parse,
+a stream's in :meth:`ack_data`) so small request/response traffic costs no extra frames.
 
 Sending: :meth:`frame_data` writes the 9-byte DATA header into the caller's buffer just before the payload, so
 header and payload reach TLS as one contiguous write (one record, no copy). Anything queued (SETTINGS and PING
-ACKs, HEADERS, RST_STREAM, END_STREAM, WINDOW_UPDATE, GOAWAY) is returned first, so frames leave in the order they
-were made.
+ACKs, HEADERS, RST_STREAM, END_STREAM, WINDOW_UPDATE, GOAWAY) is in :attr:`HboneConnection.out` and is sent first,
+so frames leave in the order they were made; the I/O layer reads and clears it in place (per chunk it is empty, and
+looking costs no call), tests and slow paths take it with :meth:`HboneConnection.data_to_send`.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import struct
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 import hpack
 import hpack.table
@@ -193,13 +194,18 @@ class ConnectResponded:
     headers: dict[str, str]
 
 
-@dataclass(slots=True)
-class DataReceived:
-    """Payload bytes for a stream; ``data`` is a view into the receive buffer (see the module docstring)."""
+class DataReceived(NamedTuple):
+    """Payload bytes for a stream; ``data`` is a view into the receive buffer (see the module docstring).
+
+    A named tuple, made by the parser with ``tuple.__new__`` (``_new_tuple``): a C call per DATA frame instead of a
+    Python ``__init__`` frame, for the commonest event (one per chunk)."""
 
     stream_id: int
     data: memoryview
     flow_controlled_length: int
+
+
+_new_tuple = tuple.__new__
 
 
 @dataclass(slots=True)
@@ -357,7 +363,6 @@ class HboneConnection:
         self._need = 0  # bytes the incomplete frame at _start needs in the buffer
         # A server first reads the 24-byte client preface ("PRI * HTTP/2.0...").
         self._preface = 0 if client_side else _PREFACE_SIZE
-        self._ack_ready: set[int] = set()  # streams whose held window reached the update threshold
         # The DATA frame being received, if its header has been parsed: stream, payload and padding left.
         self._data_stream = 0
         self._data_state: _Stream | None = None
@@ -366,7 +371,13 @@ class HboneConnection:
         self._data_end_stream = False
         self._pad_length_pending = False
         self._conn_unacked = 0
-        self._out = bytearray()
+        # Frames queued for the wire (control frames, HEADERS, window updates), in the order they were made. Public
+        # so the I/O layer looks at it without a call: per chunk the pump asks "anything queued?" (almost always
+        # not), encrypts it straight from here when there is, and clears it (no bytes or bytearray made per call).
+        self.out = bytearray()
+        # Window updates are due once a quarter of a window is consumed (RFC 9113 §6.9: batched, not per frame).
+        self._conn_threshold = self.settings.connection_window >> 2
+        self._stream_threshold = self.settings.stream_window >> 2
         self.goaway_received: GoAwayReceived | None = None
         self.goaway_sent: int | None = None  # the last stream id we promised to process
         self.closed = False
@@ -382,16 +393,16 @@ class HboneConnection:
         local = [(_INITIAL_WINDOW_SIZE, s.stream_window), (_MAX_FRAME_SIZE, s.max_frame_size)]
         if self.client_side:
             local.insert(0, (_ENABLE_PUSH, 0))
-            self._out += PREFACE
+            self.out += PREFACE
         if s.max_concurrent_streams is not None:
             local.append((_MAX_CONCURRENT_STREAMS, s.max_concurrent_streams))
         local.append((_MAX_HEADER_LIST_SIZE, s.max_header_list_size))
-        self._out += _HEADER.pack(6 * len(local) << 8 | SETTINGS, 0, 0)
+        self.out += _HEADER.pack(6 * len(local) << 8 | SETTINGS, 0, 0)
         for ident, value in local:
-            self._out += _SETTING.pack(ident, value)
+            self.out += _SETTING.pack(ident, value)
         increment = s.connection_window - _DEFAULT_WINDOW
         if increment > 0:
-            self._out += _WINDOW_UPDATE.pack(4 << 8 | WINDOW_UPDATE, 0, 0, increment)
+            self.out += _WINDOW_UPDATE.pack(4 << 8 | WINDOW_UPDATE, 0, 0, increment)
 
     # -- receiving -------------------------------------------------------------------------------------------
 
@@ -439,8 +450,9 @@ class HboneConnection:
             for ev in self.buffer_updated(n):
                 if type(ev) is DataReceived:
                     # Views die at the next get_buffer; this convenience path hands out copies.
-                    ev.data = memoryview(bytes(ev.data))
-                events.append(ev)
+                    events.append(DataReceived(ev.stream_id, memoryview(bytes(ev.data)), ev.flow_controlled_length))
+                else:
+                    events.append(ev)
         return events
 
     def buffer_updated(self, nbytes: int) -> list[Event]:
@@ -450,6 +462,8 @@ class HboneConnection:
         view = self._view
         pos, end = self._start, self._end
         self._need = 0
+        streams = self.streams
+        client_side = self.client_side
         if self._preface:
             if end - pos < self._preface:
                 return events
@@ -479,6 +493,28 @@ class HboneConnection:
                     ErrorCode.PROTOCOL_ERROR,
                 )
             if ftype == DATA:
+                start = pos + FRAME_HEADER_SIZE
+                if length and not flags & FLAG_PADDED and end - start >= length:
+                    # The usual DATA frame, whole in the buffer on an open stream that may receive it: handled here,
+                    # with no call (a 64 B chunk took four: _start_data, _continue_data, _finish_data and the
+                    # event's __init__). Anything else (padded, empty, split across reads, on a closed stream, over
+                    # the window) goes the general way below.
+                    st = streams.get(stream_id)
+                    if (
+                        st is not None
+                        and not st.remote_closed
+                        and length <= st.recv_window
+                        and (st.responded or not client_side)
+                    ):
+                        pos = start + length
+                        st.recv_window -= length
+                        st.unacked += length
+                        self._conn_unacked += length
+                        events.append(_new_tuple(DataReceived, (stream_id, view[start:pos], length)))
+                        if flags & FLAG_END_STREAM:
+                            self._remote_closed(stream_id)
+                            events.append(StreamEnded(stream_id))
+                        continue
                 pos = self._start_data(events, pos, length, flags, stream_id)
                 continue
             # The header block's size is checked on the frame header, before buffering a frame of up to 1 MiB.
@@ -516,7 +552,11 @@ class HboneConnection:
                 # Unknown types (and ALTSVC, ORIGIN, ...) are ignored (RFC 9113 §5.5), but cost us the parse.
                 self._spend("frames of unknown type")
         self._start = pos
-        self._send_window_updates()
+        if self._conn_unacked >= self._conn_threshold:
+            # The connection's window: released as soon as the bytes are taken off the connection (see the module
+            # docstring), so queued here, at the end of the parse that took them.
+            self.out += _WINDOW_UPDATE.pack(4 << 8 | WINDOW_UPDATE, 0, 0, self._conn_unacked)
+            self._conn_unacked = 0
         return events
 
     def _spend(self, what: str) -> None:
@@ -562,7 +602,6 @@ class HboneConnection:
         st = self.streams.pop(stream_id, None)
         if st is not None:
             self._closed_as(stream_id, _RESET_BY_PEER)
-            self._ack_ready.discard(stream_id)
             if not self.client_side and not st.responded:
                 self._premature_reset()
             events.append(StreamReset(stream_id, code))
@@ -704,7 +743,7 @@ class HboneConnection:
         how = self._closed.get(stream_id)
         if how in (_RESET_BY_US, _RESET_BY_PEER):
             self._spend(f"{what} frames on closed streams")
-            self._out += _RST_STREAM.pack(4 << 8 | RST_STREAM, 0, stream_id, ErrorCode.STREAM_CLOSED)
+            self.out += _RST_STREAM.pack(4 << 8 | RST_STREAM, 0, stream_id, ErrorCode.STREAM_CLOSED)
             return True
         if how == _ENDED:
             self._fail(f"{what} on stream {stream_id}, closed by END_STREAM both ways", ErrorCode.STREAM_CLOSED)
@@ -798,7 +837,7 @@ class HboneConnection:
             elif ident == _HEADER_TABLE_SIZE:
                 self._encoder.header_table_size = value  # the next block we encode starts with a size update
             # SETTINGS_MAX_HEADER_LIST_SIZE is advisory (our blocks are a few hundred bytes); others are unknown.
-        self._out += _HEADER.pack(SETTINGS, FLAG_ACK, 0)
+        self.out += _HEADER.pack(SETTINGS, FLAG_ACK, 0)
         events.append(RemoteSettingsChanged(max_streams))
         if window_changed:
             events.append(WindowOpened(0))
@@ -812,8 +851,8 @@ class HboneConnection:
             events.append(PingAcked(bytes(payload)))
             return
         self._spend("PING frames")
-        self._out += _HEADER.pack(8 << 8 | PING, FLAG_ACK, 0)
-        self._out += payload
+        self.out += _HEADER.pack(8 << 8 | PING, FLAG_ACK, 0)
+        self.out += payload
 
     def _initial_window_changed(self, delta: int) -> None:
         """RFC 9113 §6.9.2: a new SETTINGS_INITIAL_WINDOW_SIZE moves every open stream's send window by the
@@ -844,19 +883,18 @@ class HboneConnection:
         """A connection error: GOAWAY with ``code`` queued, the connection marked closed, the error raised."""
         if not self.closed:
             self.closed = True
-            self._out += _GOAWAY.pack(8 << 8 | GOAWAY, 0, 0, self._highest_inbound, code)
+            self.out += _GOAWAY.pack(8 << 8 | GOAWAY, 0, 0, self._highest_inbound, code)
         raise HboneProtocolError(message, code)
 
     def _reset(self, stream_id: int, code: ErrorCode) -> StreamReset:
         """A stream error on an open stream: RST_STREAM sent, the stream closed; the event tells its consumer."""
         self.streams.pop(stream_id, None)
-        self._ack_ready.discard(stream_id)
         self._refuse(stream_id, code)
         return StreamReset(stream_id, code)
 
     def _refuse(self, stream_id: int, code: ErrorCode) -> None:
         self._closed_as(stream_id, _RESET_BY_US)
-        self._out += _RST_STREAM.pack(4 << 8 | RST_STREAM, 0, stream_id, code)
+        self.out += _RST_STREAM.pack(4 << 8 | RST_STREAM, 0, stream_id, code)
 
     def _start_data(self, events: list[Event], pos: int, length: int, flags: int, stream_id: int) -> int:
         st = self.streams.get(stream_id)
@@ -870,7 +908,7 @@ class HboneConnection:
             # reset the stream is expected (a stream window can be hundreds of frames); other DATA costs budget.
             if self._closed.get(stream_id) != _RESET_BY_US:
                 self._spend("DATA frames on closed streams")
-            self._out += _RST_STREAM.pack(4 << 8 | RST_STREAM, 0, stream_id, ErrorCode.STREAM_CLOSED)
+            self.out += _RST_STREAM.pack(4 << 8 | RST_STREAM, 0, stream_id, ErrorCode.STREAM_CLOSED)
         elif st.remote_closed or length > st.recv_window or (self.client_side and not st.responded):
             # DATA after END_STREAM (RFC 9113 §5.1), beyond the window (§6.9), or before the response (§8.1.1: a
             # malformed response): a stream error. The payload is still read off the connection (and counted
@@ -919,7 +957,7 @@ class HboneConnection:
             st = self._data_state
             if st is not None and n:
                 st.unacked += n
-                events.append(DataReceived(self._data_stream, view[pos : pos + n], n))
+                events.append(_new_tuple(DataReceived, (self._data_stream, view[pos : pos + n], n)))
             pos += n
         if not self._data_remaining and self._data_padding:
             n = min(self._data_padding, end - pos)
@@ -949,24 +987,21 @@ class HboneConnection:
             return
         n = min(nbytes, st.unacked)
         st.unacked -= n
-        st.held += n
-        if st.held >= self.settings.stream_window >> 2:
-            self._ack_ready.add(stream_id)
-
-    def _send_window_updates(self) -> None:
-        if self._conn_unacked >= self.settings.connection_window >> 2:
-            self._out += _WINDOW_UPDATE.pack(4 << 8 | 0x8, 0, 0, self._conn_unacked)
-            self._conn_unacked = 0
-        if self._ack_ready:
-            for sid in self._ack_ready:
-                self.flush_acks(sid)
-            self._ack_ready.clear()
+        held = st.held + n
+        if held >= self._stream_threshold and not st.remote_closed:
+            # Due: queued now (it leaves with the next flush, as the consumer's flush follows its acks), not kept in
+            # a set for a later pass, so asking the core for output is just looking at ``out``.
+            self.out += _WINDOW_UPDATE.pack(4 << 8 | WINDOW_UPDATE, 0, stream_id, held)
+            st.recv_window += held
+            st.held = 0
+        else:
+            st.held = held
 
     def flush_acks(self, stream_id: int) -> None:
         """Release a stream's held window now (a consumer that had paused has caught up)."""
         st = self.streams.get(stream_id)
         if st is not None and st.held and not st.remote_closed:
-            self._out += _WINDOW_UPDATE.pack(4 << 8 | 0x8, 0, stream_id, st.held)
+            self.out += _WINDOW_UPDATE.pack(4 << 8 | WINDOW_UPDATE, 0, stream_id, st.held)
             st.recv_window += st.held
             st.held = 0
 
@@ -1012,7 +1047,7 @@ class HboneConnection:
         """A header block as HEADERS (+ CONTINUATIONs past the peer's frame size) queued for the wire."""
         block = encode_header_block(self._encoder, headers)
         size = self._peer_max_frame
-        out = self._out
+        out = self.out
         if len(block) <= size:
             out += _HEADER.pack(len(block) << 8 | HEADERS, flags | FLAG_END_HEADERS, stream_id)
             out += block
@@ -1054,7 +1089,7 @@ class HboneConnection:
         st = self.streams.get(stream_id)
         if st is None or st.local_closed or self.closed:
             return
-        self._out += _HEADER.pack(DATA, FLAG_END_STREAM, stream_id)
+        self.out += _HEADER.pack(DATA, FLAG_END_STREAM, stream_id)
         self._local_closed(stream_id)
 
     def reset_stream(self, stream_id: int, code: ErrorCode = ErrorCode.CANCEL) -> None:
@@ -1063,7 +1098,6 @@ class HboneConnection:
         st = self.streams.pop(stream_id, None)
         if self.closed or (st is None and (stream_id in self._closed or self._idle(stream_id))):
             return
-        self._ack_ready.discard(stream_id)
         self._refuse(stream_id, code)
 
     def _local_closed(self, stream_id: int) -> None:
@@ -1078,8 +1112,8 @@ class HboneConnection:
         """Queue a PING with ``data`` (8 bytes); its ACK arrives as :class:`PingAcked`."""
         if len(data) != 8:
             raise ValueError(f"PING data is 8 bytes, not {len(data)}")
-        self._out += _HEADER.pack(8 << 8 | PING, 0, 0)
-        self._out += data
+        self.out += _HEADER.pack(8 << 8 | PING, 0, 0)
+        self.out += data
 
     def goaway(self, code: ErrorCode = ErrorCode.NO_ERROR) -> None:
         """Tell the peer no new streams will be accepted; open ones may finish (graceful drain)."""
@@ -1087,7 +1121,7 @@ class HboneConnection:
             return
         last = self._highest_inbound
         self.goaway_sent = last
-        self._out += _GOAWAY.pack(8 << 8 | GOAWAY, 0, 0, last, code)
+        self.out += _GOAWAY.pack(8 << 8 | GOAWAY, 0, 0, last, code)
 
     @property
     def open_streams(self) -> int:
@@ -1095,13 +1129,13 @@ class HboneConnection:
 
     def data_to_send(self) -> bytes:
         """Everything queued for the wire before the next DATA frame, in the order it was made (the preface and
-        SETTINGS first), then batched window updates."""
-        self._send_window_updates()
-        out = self._out
+        SETTINGS first, window updates when they fell due). The I/O layer reads and clears :attr:`out` instead."""
+        out = self.out
         if not out:
             return b""
-        self._out = bytearray()
-        return bytes(out)
+        data = bytes(out)
+        out.clear()
+        return data
 
 
 def _frame_name(ftype: int) -> str:
