@@ -115,7 +115,7 @@ class HboneStream:
         self.plain = plain
         if self._early is not None:
             for chunk in self._early:
-                self._to_plain(memoryview(chunk), len(chunk))
+                self.on_data(memoryview(chunk), len(chunk))  # self.plain is set: straight to the socket
             self._early = None
         if self.remote_ended:
             plain.write_eof()
@@ -188,7 +188,7 @@ class HboneStream:
             self._early.append(bytes(data))
             self._held += flow_controlled_length
             return
-        # _to_plain's body, inline: this runs once per chunk received (one Python call less each).
+        # Runs once per chunk received: the write, pin and window release inline (no helper call per chunk).
         self.bytes_to_plain += len(data)
         if plain.write(data):
             self._core.pin()
@@ -216,19 +216,6 @@ class HboneStream:
             self._held += flow
         else:
             self._core.ack_data(self.stream_id, flow + self._held)
-            self._held = 0
-
-    def _to_plain(self, data: memoryview, flow_controlled_length: int) -> None:
-        # Per chunk: no flush here, the connection flushes once at the end of the read that delivered it.
-        plain = self.plain
-        assert plain is not None
-        self.bytes_to_plain += len(data)
-        if plain.write(data):
-            self._core.pin()
-        if plain.write_paused:
-            self._held += flow_controlled_length
-        else:
-            self._core.ack_data(self.stream_id, flow_controlled_length + self._held)
             self._held = 0
 
     def plain_write_paused(self, plain: PlainConnection, paused: bool) -> None:
