@@ -9,6 +9,7 @@ from hyperframe.frame import (
     DataFrame,
     Frame,
     GoAwayFrame,
+    HeadersFrame,
     RstStreamFrame,
     SettingsFrame,
     WindowUpdateFrame,
@@ -27,6 +28,7 @@ from ztunnel.proxy.hbone.core import (
     StreamEnded,
     StreamReset,
     WindowOpened,
+    literal_header_block,
 )
 
 
@@ -227,15 +229,31 @@ def test_after_goaway_received_open_streams_can_still_end_and_reset() -> None:
     assert any(isinstance(f, RstStreamFrame) and f.stream_id == sid2 for f in frames(c.data_to_send()))
 
 
-def test_data_on_reset_stream_goes_to_h2() -> None:
+def test_data_on_a_stream_we_reset_is_ignored() -> None:
+    """RFC 9113 §5.1: frames in flight when we reset a stream are ignored (h2 answers each with a RST_STREAM, so a
+    peer could make us queue 13 bytes per 9 received); their bytes still count against the connection window."""
     _c, s, sid = connected()
     s.reset_stream(sid, ErrorCode.CANCEL)
     s.data_to_send()
-    events = s.receive_data(DataFrame(sid, b"zz").serialize())
-    assert events == []
+    for _ in range(300):  # more than the control budget's burst: in-flight DATA is no abuse
+        assert s.receive_data(DataFrame(sid, b"z" * 1000).serialize()) == []
     out = frames(s.data_to_send())
-    # h2 answers for the closed stream (and accounts the connection window itself).
-    assert any(isinstance(f, RstStreamFrame) and f.stream_id == sid for f in out)
+    assert not any(isinstance(f, RstStreamFrame) for f in out)
+    # 300,000 bytes taken off the connection: its window is given back (a quarter of 16 MiB is not reached yet,
+    # so with more the WINDOW_UPDATE comes).
+    for _ in range(5000):
+        s.receive_data(DataFrame(sid, b"z" * 1000).serialize())
+    assert any(isinstance(f, WindowUpdateFrame) and f.stream_id == 0 for f in frames(s.data_to_send()))
+
+
+def test_empty_data_frames_on_a_stream_we_reset_cost_budget() -> None:
+    _c, s, sid = connected()
+    s.reset_stream(sid, ErrorCode.CANCEL)
+    s.data_to_send()
+    with pytest.raises(HboneProtocolError) as e:
+        for _ in range(1000):
+            s.receive_data(DataFrame(sid, b"").serialize())
+    assert e.value.code is ErrorCode.ENHANCE_YOUR_CALM
 
 
 def test_data_on_idle_stream_is_a_connection_error() -> None:
@@ -276,6 +294,24 @@ def test_non_connect_request_is_reported_for_a_400() -> None:
     assert isinstance(ev[1], StreamEnded)
 
 
+@pytest.mark.parametrize("status", ["\u00b2\u00b2\u00b2", "\u0662\u0660\u0660", "2000", "20"])
+def test_a_status_of_other_digits_is_no_status_and_no_crash(status: str) -> None:
+    """``str.isdigit`` holds for superscripts (int() then raises) and for other scripts' digits (Arabic-Indic
+    two-zero-zero is not 200): only three ASCII digits are a status."""
+    c, s = HboneConnection(True), HboneConnection(False)
+    c.initiate()
+    s.initiate()
+    pump(c, s)
+    pump(s, c)
+    sid = c.send_connect("10.0.0.1:8080")
+    pump(c, s)
+    frame = HeadersFrame(sid, flags=["END_HEADERS"])
+    frame.data = literal_header_block([(":status", status)])
+    events = c.receive_data(frame.serialize())
+    [answer] = [e for e in events if isinstance(e, ConnectResponded)]
+    assert answer.status == 0
+
+
 def test_receive_buffer_views_and_pin() -> None:
     c, s, sid = connected()
     wire = send(c, sid, b"a" * 5000)
@@ -307,3 +343,21 @@ def test_headers_continuation_reassembled_by_h2() -> None:
     events = pump(c, s)
     # A 30 KB header block does not fit one 16 KiB frame: it arrived as HEADERS + CONTINUATION.
     assert any(isinstance(e, ConnectRequested) and e.headers["x-big"] == "v" * 30000 for e in events)
+
+
+def test_a_settings_frame_of_many_entries_is_refused() -> None:
+    """One budget token per SETTINGS frame whatever its size: a frame of more than 32 entries (a peer has 7
+    settings to send) ends the connection before it is parsed."""
+    _c, s, _sid = connected()
+    payload = b"".join((0x4).to_bytes(2, "big") + (65535 + i).to_bytes(4, "big") for i in range(33))
+    frame = len(payload).to_bytes(3, "big") + b"\x04\x00\x00\x00\x00\x00" + payload
+    with pytest.raises(HboneProtocolError) as e:
+        s.receive_data(frame)
+    assert e.value.code is ErrorCode.ENHANCE_YOUR_CALM
+
+
+def test_a_run_of_connection_window_updates_is_one_event() -> None:
+    c, _s, _sid = connected()
+    updates = b"".join(WindowUpdateFrame(0, window_increment=1).serialize() for _ in range(1000))
+    events = c.receive_data(updates)
+    assert [e for e in events if isinstance(e, WindowOpened)] == [WindowOpened(0)]

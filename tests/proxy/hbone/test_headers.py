@@ -333,3 +333,24 @@ def test_stream_lifecycle_runs_no_import_statements(monkeypatch: pytest.MonkeyPa
     _lifecycle(client, server)
     monkeypatch.undo()
     assert imports == []
+
+
+def test_many_table_size_changes_owe_one_update() -> None:
+    """A peer alternating SETTINGS_HEADER_TABLE_SIZE between 0 and 1 (thousands of entries) costs one pending size
+    update, not one per entry, and a repeated value does not cancel the update owed (RFC 7541 §4.2: the smallest
+    size since the last block is signalled)."""
+    client = HboneConnection(True)
+    client.initiate()
+    client.data_to_send()
+    for _ in range(5):
+        entries = {0x1: 0}
+        client.receive_data(hyperframe.frame.SettingsFrame(0, settings=entries).serialize())
+        client.receive_data(hyperframe.frame.SettingsFrame(0, settings={0x1: 1}).serialize())
+        client.receive_data(hyperframe.frame.SettingsFrame(0, settings={0x1: 0}).serialize())
+    client.data_to_send()
+    client.send_connect("10.0.0.2:8080")
+    block = client.data_to_send()[FRAME_HEADER_SIZE:]
+    assert block[0] == 0x20, "one size update to 0 first"
+    assert block[1] & 0xE0 != 0x20, "and only one"
+    decoder = hpack.Decoder()
+    assert [(str(n), str(v)) for n, v in decoder.decode(block)][:1] == [(":method", "CONNECT")]

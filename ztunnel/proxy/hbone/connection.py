@@ -371,6 +371,10 @@ class HboneTransport(asyncio.BufferedProtocol):
                     for h in self._in_turn():
                         h.on_window()
             elif type(ev) is ConnectRequested:
+                if self.closed:
+                    # An earlier event of this read closed the connection (GOAWAY, its last stream detached): a
+                    # request after it would start inbound set-up, and a backend connect, on a dead connection.
+                    continue
                 if self._on_connect_request is not None:
                     stream = HboneStream(self, ev.stream_id)
                     streams[ev.stream_id] = stream

@@ -83,6 +83,8 @@ FLAG_PRIORITY = 0x20
 _CLOSED_STREAMS_REMEMBERED = 1024
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _PREFACE_SIZE = 24
+# Entries per SETTINGS frame: a peer has 7 defined settings to send; nghttp2 refuses more than 32 (its max_settings).
+_MAX_SETTINGS_ENTRIES = 32
 # SETTINGS identifiers (RFC 9113 §6.5.2, RFC 8441 §3).
 _HEADER_TABLE_SIZE = 0x1
 _ENABLE_PUSH = 0x2
@@ -232,6 +234,10 @@ class WindowOpened:
     """The peer granted more send window (``stream_id`` 0: the whole connection)."""
 
     stream_id: int
+
+
+# The one event for the connection's window opening: consecutive WINDOW_UPDATEs on stream 0 share it.
+_CONNECTION_WINDOW_OPENED = WindowOpened(0)
 
 
 @dataclass(slots=True)
@@ -625,7 +631,10 @@ class HboneConnection:
             self._send_window += increment
             if self._send_window > _MAX_WINDOW:
                 self._fail("WINDOW_UPDATE past 2^31-1 on the connection", ErrorCode.FLOW_CONTROL_ERROR)
-            events.append(WindowOpened(0))
+            if not events or events[-1] is not _CONNECTION_WINDOW_OPENED:
+                # One event for a run of them (each wakes every waiting stream; a flood of 1-byte updates would
+                # wake them all per frame).
+                events.append(_CONNECTION_WINDOW_OPENED)
             return
         st = self.streams.get(stream_id)
         if st is None:
@@ -792,7 +801,8 @@ class HboneConnection:
                 self._fail(f"malformed response on stream {stream_id}: {problem}", ErrorCode.PROTOCOL_ERROR)
         fields = _decode_headers(headers)
         status = fields.pop(":status", "0")
-        code = int(status) if status.isdigit() else 0
+        # Three ASCII digits only: str.isdigit() also holds for "²" (int() then raises) and for other scripts' digits.
+        code = int(status) if len(status) == 3 and status.isascii() and status.isdigit() else 0
         if 100 <= code < 200:
             if end:
                 self._fail(f"informational response ending stream {stream_id}", ErrorCode.PROTOCOL_ERROR)
@@ -814,6 +824,12 @@ class HboneConnection:
             return
         if len(payload) % 6:
             self._fail(f"SETTINGS of {len(payload)} bytes (a multiple of 6)", ErrorCode.FRAME_SIZE_ERROR)
+        if len(payload) > _MAX_SETTINGS_ENTRIES * 6:
+            # One budget token per frame, whatever its size: a 1 MiB frame is 174,762 entries to parse.
+            self._fail(
+                f"SETTINGS with {len(payload) // 6} entries (at most {_MAX_SETTINGS_ENTRIES})",
+                ErrorCode.ENHANCE_YOUR_CALM,
+            )
         self._spend("SETTINGS frames")
         values = [_SETTING.unpack_from(payload, at) for at in range(0, len(payload), 6)]
         for ident, value in values:
@@ -824,23 +840,35 @@ class HboneConnection:
             elif ident == _MAX_FRAME_SIZE and not _DEFAULT_FRAME_SIZE <= value <= 2**24 - 1:
                 self._fail(f"SETTINGS_MAX_FRAME_SIZE of {value}", ErrorCode.PROTOCOL_ERROR)
         max_streams: int | None = None
-        window_changed = False
+        initial_window: int | None = None
         for ident, value in values:
             if ident == _INITIAL_WINDOW_SIZE:
-                self._initial_window_changed(value - self._peer_initial_window)
-                self._peer_initial_window = value
-                window_changed = True
+                initial_window = value
             elif ident == _MAX_FRAME_SIZE:
                 self._peer_max_frame = value
             elif ident == _MAX_CONCURRENT_STREAMS:
                 self._peer_max_streams = max_streams = value
             elif ident == _HEADER_TABLE_SIZE:
-                self._encoder.header_table_size = value  # the next block we encode starts with a size update
+                self._header_table_size_changed(value)
             # SETTINGS_MAX_HEADER_LIST_SIZE is advisory (our blocks are a few hundred bytes); others are unknown.
+        if initial_window is not None:
+            # The frame's last value counts (§6.5.3: processed in order); the open streams move once, by the total.
+            self._initial_window_changed(initial_window - self._peer_initial_window)
+            self._peer_initial_window = initial_window
         self.out += _HEADER.pack(SETTINGS, FLAG_ACK, 0)
         events.append(RemoteSettingsChanged(max_streams))
-        if window_changed:
+        if initial_window is not None:
             events.append(WindowOpened(0))
+
+    def _header_table_size_changed(self, value: int) -> None:
+        """The peer's SETTINGS_HEADER_TABLE_SIZE. Our blocks never insert into the dynamic table, so only a limit
+        below the encoder's current size is owed a size update (RFC 7541 §4.2) at the start of our next block; the
+        smallest since that block is the one to signal. hpack's encoder would queue every value it is given (and
+        forget the update when one value is set twice), so it is told only of reductions, one pending at a time."""
+        encoder = self._encoder
+        if value < encoder.header_table_size:
+            encoder.table_size_changes.clear()
+            encoder.header_table_size = value
 
     def _ping_frame(self, events: list[Event], stream_id: int, flags: int, payload: memoryview) -> None:
         if stream_id:
@@ -903,12 +931,17 @@ class HboneConnection:
                 self._fail("DATA on stream 0", ErrorCode.PROTOCOL_ERROR)
             if self._idle(stream_id):
                 self._fail(f"DATA on idle stream {stream_id}", ErrorCode.PROTOCOL_ERROR)
-            # A closed stream: RST_STREAM STREAM_CLOSED, as h2 answers it (however it closed). The payload is read
-            # off the connection (and counted against its window) and dropped. DATA that was in flight when we
-            # reset the stream is expected (a stream window can be hundreds of frames); other DATA costs budget.
-            if self._closed.get(stream_id) != _RESET_BY_US:
+            # A closed stream. The payload is read off the connection (and counted against its window) and dropped.
+            # DATA that was in flight when we reset the stream is expected (a stream window can be hundreds of
+            # frames) and ignored, as RFC 9113 §5.1 asks (h2 answers each with a RST_STREAM: a peer could make us
+            # queue 13 bytes per 9 it sends); only empty frames, which carry nothing in flight, cost budget there.
+            # On a stream closed otherwise, RST_STREAM STREAM_CLOSED, as h2 answers it, for budget.
+            if self._closed.get(stream_id) == _RESET_BY_US:
+                if length == 0:
+                    self._spend("empty DATA frames on reset streams")
+            else:
                 self._spend("DATA frames on closed streams")
-            self.out += _RST_STREAM.pack(4 << 8 | RST_STREAM, 0, stream_id, ErrorCode.STREAM_CLOSED)
+                self.out += _RST_STREAM.pack(4 << 8 | RST_STREAM, 0, stream_id, ErrorCode.STREAM_CLOSED)
         elif st.remote_closed or length > st.recv_window or (self.client_side and not st.responded):
             # DATA after END_STREAM (RFC 9113 §5.1), beyond the window (§6.9), or before the response (§8.1.1: a
             # malformed response): a stream error. The payload is still read off the connection (and counted
