@@ -54,20 +54,19 @@ class ServiceDescription:
 
     @classmethod
     def of(cls, svc: Service) -> ServiceDescription:
-        """The description of ``svc``, made once per Service object (one per routed connection before, each side)."""
-        hit = _DESCRIPTIONS.get(id(svc))
-        if hit is not None and hit[0] is svc:
-            return hit[1]
+        """The description of ``svc``, made once per service name (one per routed connection before, each side)."""
+        hit = _DESCRIPTIONS.get(svc.hostname)
+        if hit is not None and hit.name == svc.name and hit.namespace == svc.namespace:
+            return hit
         if len(_DESCRIPTIONS) >= 4096:
             _DESCRIPTIONS.clear()
-        desc = cls(svc.hostname, svc.name, svc.namespace)
-        _DESCRIPTIONS[id(svc)] = (svc, desc)
+        desc = _DESCRIPTIONS[svc.hostname] = cls(svc.hostname, svc.name, svc.namespace)
         return desc
 
 
-# Descriptions of recent services, by the identity of the Service (immutable, replaced on each xDS update; the entry
-# holds it, so an id is never reused while cached).
-_DESCRIPTIONS: dict[int, tuple[Service, ServiceDescription]] = {}
+# Descriptions of recent services by hostname: three strings each, so no Service object (with its endpoints) that an
+# xDS update replaced is kept alive by the cache.
+_DESCRIPTIONS: dict[str, ServiceDescription] = {}
 
 
 @dataclass(frozen=True, slots=True)
