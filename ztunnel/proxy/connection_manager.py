@@ -82,10 +82,6 @@ class ConnectionRecord:
     # the connection itself must close (a CRL revoked the peer).
     tunnel: object | None = None
 
-    @property
-    def reporter(self) -> str:
-        return "source" if self.direction is Direction.OUTBOUND else "destination"
-
     def fields(self) -> dict[str, object]:
         """Upstream's access-log fields, in its order (``proxy/metrics.rs``)."""
         src, dst, derived = self.src_workload, self.dst_workload, self.derived_source
@@ -141,7 +137,7 @@ class ConnectionRecord:
     def labels(self, flag: ResponseFlag = ResponseFlag.NONE) -> Labels:
         svc = self.dst_service
         return traffic_labels(
-            "source" if self.direction is Direction.OUTBOUND else "destination",  # self.reporter, without a call
+            "source" if self.direction is Direction.OUTBOUND else "destination",  # the reporter label
             self.src_workload,
             self.derived_source,
             self.dst_workload,

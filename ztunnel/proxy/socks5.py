@@ -302,24 +302,21 @@ class Socks5(Listener):
     async def connect(
         self, plain: PlainConnection, src: tuple[IPAddress, int], ev: ConnectRequested, method_reply: bytes = b""
     ) -> None:
-        """Resolve and proxy one request; ``method_reply`` (not yet sent) goes out in front of the request's reply."""
+        """Resolve a request for a hostname and proxy it (a request for an IP goes straight to ``proxy_to``, see
+        ``_hand_over``); ``method_reply`` (not yet sent) goes out in front of the request's reply."""
         transport = plain.transport
-        assert transport is not None
-        if isinstance(ev.host, str):
-            try:
-                ips = await self.resolve(ev.host)
-            except OSError as e:
-                ips = []
-                log.debug("resolving %s failed: %s", ev.host, e)
-            if not ips:
-                transport.write(method_reply + reply(Reply.HOST_UNREACHABLE))
-                transport.close()
-                log_failed(Direction.OUTBOUND, src, None, f"SOCKS5: cannot resolve {ev.host}")
-                return
-            ip = next((i for i in ips if i.version == 4), ips[0])
-        else:
-            ip = ev.host
-        dst = (ip, ev.port)
+        assert transport is not None and isinstance(ev.host, str)
+        try:
+            ips = await self.resolve(ev.host)
+        except OSError as e:
+            ips = []
+            log.debug("resolving %s failed: %s", ev.host, e)
+        if not ips:
+            transport.write(method_reply + reply(Reply.HOST_UNREACHABLE))
+            transport.close()
+            log_failed(Direction.OUTBOUND, src, None, f"SOCKS5: cannot resolve {ev.host}")
+            return
+        dst = (next((i for i in ips if i.version == 4), ips[0]), ev.port)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("SOCKS5 %s -> %s", format_addr(*src), format_addr(*dst))
         await self.proxy_to(plain, src, dst, _ready(transport, method_reply))
