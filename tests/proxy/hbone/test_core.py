@@ -190,6 +190,10 @@ def test_flow_control_violation_resets_the_stream() -> None:
     assert data_of(events) == b""
     rst = [f for f in frames(s.data_to_send()) if isinstance(f, RstStreamFrame)]
     assert rst and rst[0].error_code == ErrorCode.FLOW_CONTROL_ERROR
+    # Reported to the stream's consumer as our reset, not the peer's (the access log says who broke what).
+    assert [e for e in events if isinstance(e, StreamReset)] == [
+        StreamReset(sid, ErrorCode.FLOW_CONTROL_ERROR, by_peer=False)
+    ]
 
 
 def test_reset_no_error_and_cancel_are_eof_others_are_resets() -> None:

@@ -167,6 +167,18 @@ async def test_reset_reaches_the_peer_as_a_tcp_reset(pair: Pair) -> None:
     assert theirs in pair.done
 
 
+async def test_our_reset_for_a_stream_error_is_not_reported_as_the_peers(pair: Pair) -> None:
+    stream, server, theirs = await pair.request()
+    server.respond(theirs, 200)
+    assert stream.response is not None
+    await asyncio.wait_for(stream.response, 5)
+    await pair.app_side(theirs)
+    # What the connection hands the stream when the core reset it for the peer's flow-control violation.
+    theirs.on_reset(ErrorCode.FLOW_CONTROL_ERROR, by_peer=False)
+    assert theirs.done
+    assert theirs.error == "stream reset by us: the peer broke HTTP/2 on it (FLOW_CONTROL_ERROR)"
+
+
 async def test_end_half_closes_only_our_side(pair: Pair) -> None:
     stream, server, theirs = await pair.request()
     server.respond(theirs, 200)

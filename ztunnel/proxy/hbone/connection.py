@@ -392,7 +392,7 @@ class HboneTransport(asyncio.BufferedProtocol):
             elif type(ev) is StreamReset:
                 h = streams.pop(ev.stream_id, None)
                 if h is not None:
-                    h.on_reset(ev.error_code)
+                    h.on_reset(ev.error_code, ev.by_peer)
             elif type(ev) is PingAcked:
                 self._ping_sent_at = None
             elif type(ev) is GoAwayReceived:

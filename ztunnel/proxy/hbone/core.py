@@ -219,10 +219,13 @@ class StreamEnded:
 
 @dataclass(slots=True)
 class StreamReset:
-    """The peer reset the stream. NO_ERROR and CANCEL are read as EOF by upstream; others are real resets."""
+    """The stream was reset: by the peer (its RST_STREAM; NO_ERROR and CANCEL are read as EOF by upstream, others
+    are real resets), or by this side for a stream error of the peer's (``by_peer`` False: flow control broken,
+    DATA after END_STREAM, bad trailers; our RST_STREAM is queued)."""
 
     stream_id: int
     error_code: int
+    by_peer: bool = True
 
     @property
     def is_eof(self) -> bool:
@@ -918,7 +921,7 @@ class HboneConnection:
         """A stream error on an open stream: RST_STREAM sent, the stream closed; the event tells its consumer."""
         self.streams.pop(stream_id, None)
         self._refuse(stream_id, code)
-        return StreamReset(stream_id, code)
+        return StreamReset(stream_id, code, by_peer=False)
 
     def _refuse(self, stream_id: int, code: ErrorCode) -> None:
         self._closed_as(stream_id, _RESET_BY_US)

@@ -231,9 +231,14 @@ class HboneStream:
         if self.local_ended:  # checked here, not in a call per half-close: the stream finishes with this one
             self._maybe_done()
 
-    def on_reset(self, error_code: int) -> None:
+    def on_reset(self, error_code: int, by_peer: bool = True) -> None:
         self.reset_code = error_code
-        if error_code in (ErrorCode.NO_ERROR, ErrorCode.CANCEL):
+        if not by_peer:
+            # Our RST_STREAM for a stream error of the peer's: the log says who broke what.
+            self.error = f"stream reset by us: the peer broke HTTP/2 on it ({_error_name(error_code)})"
+            if self.plain is not None:
+                self.plain.reset()
+        elif error_code in (ErrorCode.NO_ERROR, ErrorCode.CANCEL):
             # Upstream reads these as EOF; the stream is gone, so our side is finished too.
             self.remote_ended = True
             self.local_ended = True
@@ -340,3 +345,10 @@ class HboneStream:
         if self._on_done is not None:
             self._on_done(self)
         self.conn.detach(self.stream_id)
+
+
+def _error_name(code: int) -> str:
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return f"HTTP/2 error {code}"
