@@ -261,3 +261,12 @@ async def test_peer_and_local_addresses_are_parsed_once_per_address() -> None:
             for t in transports:
                 t.close()
             server.close()
+
+
+def test_packed_ipv4_addresses_are_made_once() -> None:
+    """SOCKS5 requests and iptables' original destinations name the same few addresses on every connection."""
+    from ztunnel.sockets import ipv4_from_packed
+
+    first = ipv4_from_packed(bytes([10, 0, 0, 7]))
+    assert str(first) == "10.0.0.7"
+    assert ipv4_from_packed(bytes([10, 0, 0, 7])) is first

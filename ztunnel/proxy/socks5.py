@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import functools
 import ipaddress
 import logging
 import socket
@@ -30,7 +29,7 @@ from ztunnel.proxy.inputs import ProxyInputs
 from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.metrics import OpenSocket
 from ztunnel.proxy.relay import PlainConnection
-from ztunnel.sockets import set_accepted_options, transport_peer
+from ztunnel.sockets import ipv4_from_packed, set_accepted_options, transport_peer
 from ztunnel.state.workload import IPAddress, canonical_ip
 
 log = logging.getLogger("ztunnel.proxy.socks5")
@@ -99,13 +98,6 @@ def reply(code: Reply, bound: tuple[IPAddress, int] | None = None) -> bytes:
 _DEFAULT_REPLIES = {code: bytes([VERSION, code, 0x00, ATYP_IPV4, 0, 0, 0, 0, 0, 0]) for code in Reply}
 
 
-@functools.lru_cache(maxsize=1024)
-def _ipv4(packed: bytes) -> ipaddress.IPv4Address:
-    # The same few destinations come back on every connection; addresses are immutable values, so a bounded cache
-    # of them is safe to share (ipaddress's constructor is 3 Python calls a request).
-    return ipaddress.IPv4Address(packed)
-
-
 class Socks5Parser:
     """RFC 1928 server side, no authentication, CONNECT only. Bytes in, events out; no I/O."""
 
@@ -167,7 +159,7 @@ class Socks5Parser:
         if atyp == ATYP_IPV4:
             if len(buf) < 10:
                 return None
-            host, end = _ipv4(bytes(buf[4:8])), 8
+            host, end = ipv4_from_packed(bytes(buf[4:8])), 8
         elif atyp == ATYP_IPV6:
             if len(buf) < 22:
                 return None
