@@ -256,14 +256,14 @@ class PlainConnection(asyncio.BufferedProtocol):
         self.bytes_written += len(data)
         return transport.get_write_buffer_size() > 0
 
-    def writelines(self, views: list[memoryview]) -> bool:
-        """Write ``views`` in order with one transport call (uvloop: one ``writev``); True as :meth:`write`."""
+    def writelines(self, views: list[memoryview], nbytes: int) -> bool:
+        """Write ``views`` (``nbytes`` in all, which the caller has summed already) in order with one transport call
+        (uvloop: one ``writev``); True as :meth:`write`."""
         transport = self.transport
         if transport is None or self.closed or self.eof_written:
             return False
         transport.writelines(views)
-        for view in views:
-            self.bytes_written += len(view)
+        self.bytes_written += nbytes
         return transport.get_write_buffer_size() > 0
 
     def write_eof(self) -> None:

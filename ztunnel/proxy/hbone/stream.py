@@ -206,11 +206,12 @@ class HboneStream:
                 self.on_data(ev.data, ev.flow_controlled_length)
             return
         views = [ev.data for ev in run]
-        flow = 0
+        flow = nbytes = 0
         for ev in run:
             flow += ev.flow_controlled_length
-            self.bytes_to_plain += len(ev.data)
-        if plain.writelines(views):
+            nbytes += len(ev.data)
+        self.bytes_to_plain += nbytes
+        if plain.writelines(views, nbytes):
             self._core.pin()
         if plain.write_paused:
             self._held += flow
