@@ -159,6 +159,18 @@ def socket_of(transport: asyncio.BaseTransport) -> _socket.socket:
     return _socket.socket(family, socket.SOCK_STREAM, 0, stand_in.fileno())
 
 
+def accepted_destination(transport: asyncio.BaseTransport, cfg: SocketConfig) -> tuple[IPAddress, int]:
+    """A captured connection (15001, 15006): its keepalive options set, and the destination the client dialled
+    (iptables' original destination, else the listener's own address), with one socket object that is detached
+    whatever happens, so the descriptor stays the transport's."""
+    sock = socket_of(transport)
+    try:
+        set_accepted_options(sock, cfg, keepalive=True)
+        return original_dst(sock) or transport_local(transport)
+    finally:
+        sock.detach()
+
+
 def set_accepted_options(sock: _socket.socket, cfg: SocketConfig, keepalive: bool) -> None:
     """15001/15006 accepted sockets get keepalive (``socket.rs::Listener::accept``); every accepted socket is where
     running out of file descriptors is noticed (:class:`FdHeadroom`).

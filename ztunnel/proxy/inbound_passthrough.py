@@ -20,7 +20,7 @@ from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.metrics import OpenSocket
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.rbac import Connection
-from ztunnel.sockets import original_dst, set_accepted_options, socket_of, transport_local, transport_peer
+from ztunnel.sockets import accepted_destination, transport_peer
 from ztunnel.state.workload import IPAddress, NetworkAddress
 
 log = logging.getLogger("ztunnel.proxy.inbound_passthrough")
@@ -40,12 +40,7 @@ class InboundPassthrough(Listener):
         assert plain.transport is not None
         plain.on_lost = OpenSocket(self.pi.connections.traffic, "destination").closed
         transport = plain.transport
-        sock = socket_of(transport)  # one socket object for the keepalive options and SO_ORIGINAL_DST
-        try:
-            set_accepted_options(sock, self.pi.sockets.cfg, keepalive=True)
-            dst = original_dst(sock) or transport_local(transport)
-        finally:
-            sock.detach()
+        dst = accepted_destination(transport, self.pi.sockets.cfg)
         src = transport_peer(transport)
         self.pi.tasks.spawn(self._proxy(plain, src, dst), "inbound passthrough")
 

@@ -57,11 +57,8 @@ from ztunnel.proxy.metrics import DerivedWorkload, OpenSocket
 from ztunnel.proxy.pool import WorkloadKey
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.sockets import (
+    accepted_destination,
     family_of,
-    original_dst,
-    set_accepted_options,
-    socket_of,
-    transport_local,
     transport_peer,
 )
 from ztunnel.state import ProxyState
@@ -346,12 +343,7 @@ class Outbound(Listener):
         assert plain.transport is not None
         plain.on_lost = OpenSocket(self.pi.connections.traffic, "source").closed
         transport = plain.transport
-        sock = socket_of(transport)  # one socket object for the keepalive options and SO_ORIGINAL_DST
-        try:
-            set_accepted_options(sock, self.pi.sockets.cfg, keepalive=True)
-            dst = original_dst(sock) or transport_local(transport)
-        finally:
-            sock.detach()
+        dst = accepted_destination(transport, self.pi.sockets.cfg)
         src = transport_peer(transport)
         self.pi.tasks.spawn(self.proxy_to(plain, src, dst), "outbound")  # a constant: no formatting per connection
 
