@@ -327,13 +327,10 @@ class HboneTransport(asyncio.BufferedProtocol):
             return
         finally:
             self._dispatching = False
-        if not self.closed:
-            if self.streams:
-                # Use, for the pool's idle eviction, is traffic of streams: the PINGs both sides send every 10 s on
-                # an idle connection must not keep it in the pool forever (POOL_UNUSED_RELEASE_TIMEOUT is 5 min).
-                self.last_active = time.monotonic()
-            if core.out or self._out_bio.pending:  # usually neither after a chunk: no flush call
-                self.flush()
+        # No last_active stamp per read: the pool evicts only connections without streams, idle since detach()
+        # stamped the last one's end (so the PINGs both sides send every 10 s never keep one pooled).
+        if not self.closed and (core.out or self._out_bio.pending):  # usually neither after a chunk: no flush call
+            self.flush()
 
     def _flush_tls(self) -> None:
         data = self._out_bio.read()
