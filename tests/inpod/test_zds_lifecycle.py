@@ -248,8 +248,14 @@ async def test_rolling_restart_hands_over_the_pod_listeners(cluster: Cluster) ->
         assert await asyncio.to_thread(old.wait, 15) == 0
         reply = await asyncio.to_thread(c.call, "client", c.pods["server-b"].ip, 8080, b"to the new one")
         assert peer_and_body(reply)[1] == b"to the new one"
-        new_records = [line for line in new_log.read_text().splitlines() if '"direction": "outbound"' in line]
-        assert new_records, "the new process carried the new connection"
+
+        def new_records() -> list[str]:
+            # The access line lands a moment after the client saw the reply (written at the close, by a log thread).
+            lines = [line for line in new_log.read_text().splitlines() if '"direction": "outbound"' in line]
+            assert lines, "the new process carried the new connection"
+            return lines
+
+        await eventually(new_records)
     finally:
         newer.send_signal(signal.SIGTERM)
         try:
