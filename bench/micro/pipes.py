@@ -86,15 +86,19 @@ class MemoryTransport:
         self.closing = True
 
 
-def feed(protocol: asyncio.BufferedProtocol, data: bytes | memoryview) -> None:
-    """Deliver ``data`` to a buffered protocol the way a transport does (into its buffers, in pieces)."""
+def feed(protocol: asyncio.BufferedProtocol, data: bytes | memoryview) -> int:
+    """Deliver ``data`` to a buffered protocol the way a transport does (into its buffers, in pieces); returns
+    how many ``buffer_updated`` calls it took."""
     view = memoryview(data)
+    calls = 0
     while view:
         buf = memoryview(protocol.get_buffer(len(view)))
         n = min(len(buf), len(view))
         buf[:n] = view[:n]
         view = view[n:]
         protocol.buffer_updated(n)
+        calls += 1
+    return calls
 
 
 def sink_plain() -> PlainConnection:

@@ -67,6 +67,17 @@ RESPONSES: dict[str, list[tuple[int, list[tuple[str, str]], bool]]] = {
 }
 
 
+def _connected() -> tuple[HboneConnection, HboneConnection]:
+    """A client and a server core past the preface and both SETTINGS exchanges (ACKs included)."""
+    client, server = HboneConnection(True), HboneConnection(False)
+    client.initiate()
+    server.initiate()
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    server.receive_data(client.data_to_send())
+    return client, server
+
+
 def _frames(wire: bytes) -> list[tuple[int, int, int]]:
     """(type, flags, stream) of each frame in ``wire``."""
     out = []
@@ -196,12 +207,7 @@ def test_no_headers_frame_objects_and_hpack_tables_left_empty(monkeypatch: pytes
         original(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(hyperframe.frame.HeadersFrame, "__init__", counting)
-    client, server = HboneConnection(True), HboneConnection(False)
-    client.initiate()
-    server.initiate()
-    server.receive_data(client.data_to_send())
-    client.receive_data(server.data_to_send())
-    server.receive_data(client.data_to_send())
+    client, server = _connected()
     sid = client.send_connect("10.0.0.2:8080", UPSTREAM)
     events = server.receive_data(client.data_to_send())
     assert [type(e) for e in events] == [ConnectRequested]
@@ -247,12 +253,7 @@ def test_literal_block_decodes_to_the_headers() -> None:
 def test_data_in_the_same_read_as_its_connect_is_delivered() -> None:
     """A client may send DATA right behind its CONNECT; both in one read must reach the server's consumer (h2 used to
     see the HEADERS only after the DATA frame had been judged to be on an unknown stream, and the bytes were lost)."""
-    client, server = HboneConnection(True), HboneConnection(False)
-    client.initiate()
-    server.initiate()
-    server.receive_data(client.data_to_send())
-    client.receive_data(server.data_to_send())
-    server.receive_data(client.data_to_send())
+    client, server = _connected()
     sid = client.send_connect("10.0.0.2:8080", UPSTREAM)
     buf = bytearray(FRAME_HEADER_SIZE + 5)
     buf[FRAME_HEADER_SIZE:] = b"hello"
@@ -315,12 +316,7 @@ def test_stream_lifecycle_runs_no_import_statements(monkeypatch: pytest.MonkeyPa
     HEADERS and END_STREAM paths imported h2's names in each call)."""
     import builtins
 
-    client, server = HboneConnection(True), HboneConnection(False)
-    client.initiate()
-    server.initiate()
-    server.receive_data(client.data_to_send())
-    client.receive_data(server.data_to_send())
-    server.receive_data(client.data_to_send())
+    client, server = _connected()
     _lifecycle(client, server)  # first use: whatever is imported lazily is imported now
     imports: list[str] = []
     original = builtins.__import__

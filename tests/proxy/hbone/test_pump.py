@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 import ztunnel
+from bench.micro.pipes import MemoryTransport, feed
 from ztunnel import tls
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
@@ -33,12 +34,13 @@ from ztunnel.proxy.relay import PlainConnection
 TD = "cluster.local"
 
 
-class Recorder:
-    """Enough of an asyncio transport for the protocols: records each write (a copy), never pushes back."""
+class Recorder(MemoryTransport):
+    """Enough of an asyncio transport for the protocols (the micro benchmarks' in-memory one): records each write
+    (a copy) and the FIN, never pushes back."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.writes: list[bytes] = []
-        self.closing = False
         self.eof = False
 
     def take(self) -> bytes:
@@ -51,50 +53,8 @@ class Recorder:
     def writelines(self, items: list[Any]) -> None:
         self.writes.append(b"".join(items))  # one call: one write (uvloop: one writev)
 
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
-
-    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        pass
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def can_write_eof(self) -> bool:
-        return True
-
     def write_eof(self) -> None:
         self.eof = True
-
-    def close(self) -> None:
-        self.closing = True
-
-    def abort(self) -> None:
-        self.closing = True
-
-
-def read_into(protocol: asyncio.BufferedProtocol, data: bytes) -> int:
-    """One socket read of ``data`` (a transport passes what fits its buffer; the rest is the next read).
-    Returns the number of ``buffer_updated`` calls it took."""
-    view = memoryview(data)
-    calls = 0
-    while view:
-        buf = memoryview(protocol.get_buffer(len(view)))
-        n = min(len(buf), len(view))
-        buf[:n] = view[:n]
-        view = view[n:]
-        protocol.buffer_updated(n)
-        calls += 1
-    return calls
 
 
 def tls_records(wire: bytes) -> list[tuple[int, int]]:
@@ -154,14 +114,14 @@ class Link:
     def pump(self) -> None:
         while self.client_wire.writes or self.server_wire.writes:
             if self.client_wire.writes:
-                read_into(self.server, self.client_wire.take())
+                feed(self.server, self.client_wire.take())
             if self.server_wire.writes:
-                read_into(self.client, self.server_wire.take())
+                feed(self.client, self.server_wire.take())
 
     def app_sends(self, data: bytes) -> None:
         """The client's app wrote ``data``: one read of the client's plaintext socket (or several, when its
         buffer is smaller)."""
-        read_into(self.client_plain, data)
+        feed(self.client_plain, data)
 
     def close(self) -> None:
         self.client.abort("test done")
@@ -211,7 +171,7 @@ def test_one_socket_read_of_many_records_is_one_write_to_the_app(link: Link) -> 
     wire = link.client_wire.take()
     records = [r for r in tls_records(wire) if r[0] == 23]
     assert len(records) >= 12
-    assert read_into(link.server, wire) == 1
+    assert feed(link.server, wire) == 1
     # Before: one write to the app per TLS record (SSLObject.read returns one record, and the HTTP/2 receive
     # buffer held 16 KiB): 12 writes for these 12 records.
     assert len(link.server_app.writes) == 1
@@ -221,10 +181,10 @@ def test_one_socket_read_of_many_records_is_one_write_to_the_app(link: Link) -> 
 def test_the_receive_buffer_grows_for_a_bulk_read_and_shrinks_when_reads_are_small_again(link: Link) -> None:
     grow(link)
     link.app_sends(b"x" * 192 * 1024)
-    read_into(link.server, link.client_wire.take())
+    feed(link.server, link.client_wire.take())
     assert len(link.server.core._buf) >= 192 * 1024
     link.app_sends(b"y" * 64)
-    read_into(link.server, link.client_wire.take())
+    feed(link.server, link.client_wire.take())
     # A pooled connection that once carried a bulk transfer gives the memory back with its next small read.
     assert len(link.server.core._buf) <= 16 * 1024
     assert link.server_app.take().endswith(b"x" * 1024 + b"y" * 64)
@@ -248,7 +208,7 @@ def test_a_chunk_from_the_app_is_one_transport_write_with_the_control_frames_que
     assert len(link.client_wire.writes) == 1
     wire = link.client_wire.take()
     assert [t for t, _ in tls_records(wire)] == [23, 23]  # the PING's record, then the DATA frame's
-    read_into(link.server, wire)
+    feed(link.server, wire)
     assert link.server_app.take() == b"z" * 64
     link.pump()  # the PING's ACK comes back: the server parsed the PING frame before the DATA
     assert link.client._ping_sent_at is None
@@ -282,7 +242,7 @@ def calls_per_round_trip(link: Link, round_trips: int) -> tuple[Counter[str], in
         for _ in range(round_trips):
             link.app_sends(b"q" * 64)
             link.pump()
-            read_into(link.server_plain, b"r" * 64)
+            feed(link.server_plain, b"r" * 64)
             link.pump()
     finally:
         sys.setprofile(None)
@@ -293,7 +253,7 @@ def test_a_64_byte_round_trip_costs_few_python_calls_in_the_http2_core(link: Lin
     for _ in range(20):  # past the first reads' buffer allocations and the PING timers' first turns
         link.app_sends(b"w" * 64)
         link.pump()
-        read_into(link.server_plain, b"v" * 64)
+        feed(link.server_plain, b"v" * 64)
         link.pump()
     link.client_app.take(), link.server_app.take()
     rounds = 50
@@ -334,7 +294,7 @@ def test_a_read_of_many_small_data_frames_is_one_write_to_the_app(small_frames_l
     payload = bytes(range(251)) * 784  # 196,784 B: 12 full frames and a partial one
     link.app_sends(payload)
     wire = link.client_wire.take()
-    assert read_into(link.server, wire) == 1
+    assert feed(link.server, wire) == 1
     # Before: one write to the app per DATA frame (13).
     assert len(link.server_app.writes) == 1
     assert link.server_app.writes[0] == payload
@@ -353,9 +313,9 @@ def test_a_read_that_completes_a_record_cut_by_the_previous_one_is_still_one_wri
     wire = link.client_wire.take()
     records = tls_records(wire)
     cut = sum(5 + length for _, length in records[:10]) + 10_000  # inside the 11th record
-    read_into(link.server, wire[:cut])
+    feed(link.server, wire[:cut])
     link.server_app.take()
-    assert read_into(link.server, wire[cut:]) == 1
+    assert feed(link.server, wire[cut:]) == 1
     # Before: 2 writes (a 256 KiB buffer for the BIO's 256 KiB of ciphertext, plus OpenSSL's 10,000 held bytes).
     assert len(link.server_app.writes) == 1
     assert (first + second).endswith(link.server_app.writes[0])
