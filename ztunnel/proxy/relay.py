@@ -193,8 +193,12 @@ class PlainConnection(asyncio.BufferedProtocol):
         self.close_error = exc
         if self.on_lost is not None:
             self.on_lost()
-        if self.peer is not None:
-            self.peer.plain_lost(self, exc)
+        peer = self.peer
+        if peer is not None:
+            # Let go of the peer: a PlainRelay holds both its connections, so a kept reference would be a cycle
+            # freed only by the cyclic collector (nothing reaches the peer through a closed connection).
+            self.peer = None
+            peer.plain_lost(self, exc)
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -353,5 +357,9 @@ class PlainRelay:
     def _finish(self) -> None:
         if not self.done:
             self.done = True
-            if self._when_done is not None:
-                self._when_done(self)
+            when_done = self._when_done
+            if when_done is not None:
+                # Dropped once called: it closes over the connection's record, whose closer holds this relay (a
+                # reference cycle only the cyclic collector would free).
+                self._when_done = None
+                when_done(self)

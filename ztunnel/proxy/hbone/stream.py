@@ -343,8 +343,12 @@ class HboneStream:
         self.done = True
         if self.setup is not None and self.plain is None:
             self.setup.cancel()
-        if self._on_done is not None:
-            self._on_done(self)
+        on_done = self._on_done
+        if on_done is not None:
+            # Dropped once called: the record it closes over holds this stream's bound methods (its byte counters,
+            # its closer), a reference cycle that only the cyclic collector would free.
+            self._on_done = None
+            on_done(self)
         self.conn.detach(self.stream_id)
 
 
