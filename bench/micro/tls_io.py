@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import functools
 import multiprocessing
 import os
 import socket
@@ -50,7 +51,7 @@ from ztunnel import tls
 CHUNK = 256 * 1024
 PING = 64
 _SSL_CTRL_SET_READ_AHEAD = 41  # ssl.h: what SSL_CTX_set_read_ahead() expands to
-DESIGNS = ("bio", "sock", "sock-ra", "sock-ra256")
+DESIGNS = ("bio", "sock", "sock-ra", "sock-ra256", "sock-ra-hp")
 _TLS_RECORD = 16 * 1024
 
 
@@ -168,6 +169,9 @@ class _SockEndpoint:
     def __init__(self, sslsock: ssl.SSLSocket, loop: asyncio.AbstractEventLoop, read_ahead: bool) -> None:
         self.sock = sslsock
         self.read_ahead = read_ahead
+        self.has_pending: Callable[[], int] | None = None
+        if _CTX["design"] == "sock-ra-hp":
+            self.has_pending = _has_pending(sslsock)
         self.tls: Any = sslsock._sslobj  # type: ignore[attr-defined]  # the C object: no Python wrapper frames
         self.fd = sslsock.fileno()
         self.loop = loop
@@ -192,10 +196,14 @@ class _SockEndpoint:
                     if n == 0:
                         break
                     got += n
-                    if n < _TLS_RECORD and not self.read_ahead and not tls_.pending():
-                        # Without read-ahead OpenSSL read exactly this record (header, then body) and holds nothing
-                        # more; a short record usually ends the peer's write, so asking again would be a recv that
-                        # fails with EAGAIN plus an exception. If more is queued, the (level-triggered) poll says so.
+                    # A short record usually ends the peer's write: asking again would be a recv that fails with
+                    # EAGAIN plus an exception. If more is queued in the kernel, the (level-triggered) poll says
+                    # so; but with read-ahead OpenSSL may hold more records than the poll can see.
+                    if (
+                        n < _TLS_RECORD
+                        and not tls_.pending()
+                        and (not self.read_ahead or (self.has_pending is not None and not self.has_pending()))
+                    ):
                         break
                 else:
                     more = True
@@ -227,6 +235,23 @@ class _SockEndpoint:
             self.writable.set_result(None)
 
 
+def _has_pending(sslsock: ssl.SSLSocket) -> Callable[[], int]:
+    """``SSL_has_pending`` of this socket's ``SSL*`` (records read ahead but not yet decrypted), through ctypes.
+
+    CPython's ``PySSLSocket`` is ``{PyObject_HEAD; PyObject *Socket; SSL *ssl; ...}``; the pointer is checked by
+    asking libssl for the descriptor it drives."""
+    lib = tls._libssl()
+    lib.SSL_has_pending.argtypes = [ctypes.c_void_p]
+    lib.SSL_has_pending.restype = ctypes.c_int
+    lib.SSL_get_fd.argtypes = [ctypes.c_void_p]
+    lib.SSL_get_fd.restype = ctypes.c_int
+    obj = sslsock._sslobj  # type: ignore[attr-defined]
+    pointer = ctypes.c_void_p.from_address(id(obj) + object.__basicsize__ + ctypes.sizeof(ctypes.c_void_p)).value
+    if not pointer or lib.SSL_get_fd(pointer) != sslsock.fileno():
+        raise RuntimeError("cannot locate the SSL* inside _ssl._SSLSocket")
+    return functools.partial(lib.SSL_has_pending, pointer)
+
+
 async def _sock_endpoint(sock: socket.socket, ctx: ssl.SSLContext, server: bool) -> _SockEndpoint:
     sslsock = ctx.wrap_socket(sock, server_side=server, server_hostname=None)  # blocking handshake
     sslsock.setblocking(False)
@@ -236,73 +261,69 @@ async def _sock_endpoint(sock: socket.socket, ctx: ssl.SSLContext, server: bool)
 # -- workloads -----------------------------------------------------------------------------------------------------
 
 
-async def _run(design: str, workload: str, role: str, sock: socket.socket, ctx: ssl.SSLContext, arg: int,
-               pipe: Connection) -> None:
+async def _run(
+    design: str, workload: str, role: str, sock: socket.socket, ctx: ssl.SSLContext, arg: int, pipe: Connection
+) -> None:
+    """One end of one run: handshake, then ``ready``; on ``go``, the workload; then its CPU seconds to ``pipe``."""
     loop = asyncio.get_running_loop()
     server = role == "server"
     done: asyncio.Future[None] = loop.create_future()
     ep: Any = await (_bio_endpoint if design == "bio" else _sock_endpoint)(sock, ctx, server)
-    sent_ping = bytes(PING)
-    count = [0]
+    ping = bytes(range(PING))
+    count = 0
 
-    if workload == "bulk":
-        total = arg
-        if server:
-
-            def sink(buf: memoryview, n: int) -> None:
-                count[0] += n
-                if count[0] >= total and not done.done():
-                    done.set_result(None)
-
-            ep.on_plain = sink
-        else:
-            payload = memoryview(bytearray(os.urandom(CHUNK)))
-    else:
-        rounds = arg
-        if server:
-
-            def echo(buf: memoryview, n: int) -> None:
-                ep_send(buf[:n])
-                count[0] += n
-                if count[0] >= rounds * PING and not done.done():
-                    done.set_result(None)
-
-            ep.on_plain = echo
-        else:
-
-            def pong(buf: memoryview, n: int) -> None:
-                count[0] += n
-                if count[0] >= rounds * PING:
-                    if not done.done():
-                        done.set_result(None)
-                elif count[0] % PING == 0:
-                    ep_send(sent_ping)
-
-            ep.on_plain = pong
-
-    def ep_send(data: memoryview | bytes) -> None:
+    def send_small(data: memoryview | bytes) -> None:
         if design == "bio":
             ep.send(data)
         elif not ep.try_send(data):
-            pass  # a 64 B echo left for _on_writable (never seen on loopback)
+            # Never on loopback with 64 B in flight; if it were, the round trips would stall and the numbers lie.
+            raise RuntimeError("a 64 B write would block")
 
+    def sink(buf: memoryview, n: int) -> None:  # bulk receiver
+        nonlocal count
+        count += n
+        if count >= arg and not done.done():
+            done.set_result(None)
+
+    def echo(buf: memoryview, n: int) -> None:  # ping server
+        nonlocal count
+        send_small(buf[:n])
+        count += n
+        if count >= arg * PING and not done.done():
+            done.set_result(None)
+
+    def pong(buf: memoryview, n: int) -> None:  # ping client
+        nonlocal count
+        if buf[:n] != ping[count % PING : count % PING + n]:
+            raise RuntimeError("the echo differs from what was sent")
+        count += n
+        if count >= arg * PING:
+            if not done.done():
+                done.set_result(None)
+        elif count % PING == 0:
+            send_small(ping)
+
+    if workload == "ping":
+        ep.on_plain = echo if server else pong
+    elif server:
+        ep.on_plain = sink
     if design != "bio":
         ep.start_reading()
+    payload = memoryview(bytearray(os.urandom(CHUNK)))
     pipe.send("ready")
     pipe.recv()  # go
     cpu0 = time.process_time()
     if workload == "bulk" and not server:
         sent = 0
-        while sent < total:
+        while sent < arg:
             if design == "bio":
                 ep.send(payload)
                 if ep.paused:
                     ep.resumed = loop.create_future()
                     await ep.resumed
-            else:
-                if not ep.try_send(payload):
-                    ep.writable = loop.create_future()
-                    await ep.writable
+            elif not ep.try_send(payload):
+                ep.writable = loop.create_future()
+                await ep.writable
             sent += CHUNK
         if design == "bio" and ep.transport.get_write_buffer_size():
             # The loop stops at pipe.recv() below: what uvloop still holds must reach the socket first. A zero
@@ -310,22 +331,18 @@ async def _run(design: str, workload: str, role: str, sock: socket.socket, ctx: 
             ep.resumed = loop.create_future()
             ep.transport.set_write_buffer_limits(high=1, low=0)
             await ep.resumed
-        cpu = time.process_time() - cpu0
-        pipe.send(cpu)
-        pipe.recv()  # the receiver has everything: close
-        return
-    if workload == "ping" and not server:
-        ep_send(sent_ping)
-    await done
-    cpu = time.process_time() - cpu0
-    pipe.send(cpu)
-    if workload == "ping" and not server:
-        pipe.recv()
-    elif server and workload == "bulk":
-        pass
+    else:
+        if workload == "ping" and not server:
+            send_small(ping)
+        await done
+    pipe.send(time.process_time() - cpu0)
+    if not server:
+        pipe.recv()  # the parent has both numbers: the receiver has everything, close
 
 
 def _child(design: str, workload: str, role: str, sock: socket.socket, arg: int, pipe: Connection) -> None:
+    if _CTX["cpu"] is not None:
+        os.sched_setaffinity(0, {_CTX["cpu"]})
     ctx = _CTX[role]  # made by the parent (one CA for both ends), inherited through the fork
     uvloop.run(_run(design, workload, role, sock, ctx, arg, pipe))
 
@@ -333,8 +350,9 @@ def _child(design: str, workload: str, role: str, sock: socket.socket, arg: int,
 _CTX: dict[str, Any] = {}
 
 
-def measure(design: str, workload: str, arg: int) -> tuple[float, float]:
-    """CPU seconds of (sender/client, receiver/server) for one run."""
+def measure(design: str, workload: str, arg: int, cpu: int | None = None) -> tuple[float, float]:
+    """CPU seconds of (sender/client, receiver/server) for one run; both processes on CPU ``cpu`` if given."""
+    _CTX["cpu"] = cpu
     cctx, sctx = _contexts(design)
     _CTX["client"], _CTX["server"], _CTX["design"] = cctx, sctx, design
     listener = socket.create_server(("127.0.0.1", 0))
@@ -356,13 +374,13 @@ def measure(design: str, workload: str, arg: int) -> tuple[float, float]:
         assert pipes[role].recv() == "ready"
     for role in ("server", "client"):
         pipes[role].send("go")
-    cpu = {role: pipes[role].recv() for role in ("client", "server")}
+    used = {role: pipes[role].recv() for role in ("client", "server")}
     pipes["client"].send("close")
     for p in procs:
         p.join(60)
         if p.exitcode != 0:
             raise RuntimeError(f"{design}/{workload} child exited with {p.exitcode}")
-    return cpu["client"], cpu["server"]
+    return used["client"], used["server"]
 
 
 def main() -> None:
@@ -371,33 +389,51 @@ def main() -> None:
     parser.add_argument("--pings", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--designs", default=",".join(DESIGNS))
+    parser.add_argument(
+        "--cpu",
+        type=int,
+        default=None,
+        help="pin both processes to this CPU (a ping-pong's cost then does not depend on where they were scheduled)",
+    )
+    parser.add_argument("--workloads", default="bulk,ping", help="bulk, ping or both (one alone for strace -c)")
     args = parser.parse_args()
     designs = args.designs.split(",")
+    workloads = args.workloads.split(",")
     total = int(args.gib * 1024**3) // CHUNK * CHUNK
     results: dict[tuple[str, str], list[float]] = {}
     for r in range(args.rounds):
         for design in designs if r % 2 == 0 else designs[::-1]:
-            a, b = measure(design, "bulk", total)
-            per_gib = (a + b) / (total / 1024**3)
-            results.setdefault((design, "bulk"), []).append(per_gib)
-            c, d = measure(design, "ping", args.pings)
-            per_rt = (c + d) / args.pings * 1e6
-            results.setdefault((design, "ping"), []).append(per_rt)
-            print(
-                f"round {r + 1} {design:8} bulk: {per_gib:.3f} CPU-s/GiB (sender {a:.2f} s, receiver {b:.2f} s); "
-                f"ping: {per_rt:.1f} us CPU/round trip (client {c:.2f} s, server {d:.2f} s)",
-                flush=True,
-            )
-    base_bulk = statistics.median(results[(designs[0], "bulk")])
-    base_ping = statistics.median(results[(designs[0], "ping")])
-    print(f"\nmedians of {args.rounds} ({args.gib:g} GiB in {CHUNK // 1024} KiB writes; {args.pings} x {PING} B):")
+            line = f"round {r + 1} {design:10}"
+            if "bulk" in workloads:
+                a, b = measure(design, "bulk", total, args.cpu)
+                per_gib = (a + b) / (total / 1024**3)
+                results.setdefault((design, "bulk"), []).append(per_gib)
+                line += f" bulk: {per_gib:.3f} CPU-s/GiB (sender {a:.2f} s, receiver {b:.2f} s)"
+            if "ping" in workloads:
+                c, d = measure(design, "ping", args.pings, args.cpu)
+                per_rt = (c + d) / args.pings * 1e6
+                results.setdefault((design, "ping"), []).append(per_rt)
+                line += f" ping: {per_rt:.1f} us CPU/round trip (client {c:.2f} s, server {d:.2f} s)"
+            print(line, flush=True)
+    sizes = f"{args.gib:g} GiB in {CHUNK // 1024} KiB writes; {args.pings} x {PING} B"
+    print(f"\n{args.rounds} rounds ({sizes}), against {designs[0]}:")
+    print("  design       CPU-s/GiB: median  min    paired    us CPU/round trip: median  min   paired")
     for design in designs:
-        bulk = statistics.median(results[(design, "bulk")])
-        ping = statistics.median(results[(design, "ping")])
-        print(
-            f"  {design:8} {bulk:.3f} CPU-s/GiB ({bulk / base_bulk - 1:+.1%})   "
-            f"{ping:.1f} us CPU/round trip ({ping / base_ping - 1:+.1%})"
-        )
+        cells = ["-", "-"]
+        for i, workload in enumerate(("bulk", "ping")):
+            if workload not in workloads:
+                continue
+            mine, base = results[(design, workload)], results[(designs[0], workload)]
+            # Paired: each round ran the designs back to back, so the ratio within a round cancels the slow drift
+            # of other work on the machine; other work only ever adds CPU time, so the least round is the least
+            # disturbed one.
+            paired = statistics.median(m / b for m, b in zip(mine, base, strict=True))
+            cells[i] = (
+                f"{statistics.median(mine):7.3f} {min(mine):6.3f} {paired - 1:+7.1%}"
+                if workload == "bulk"
+                else f"{statistics.median(mine):6.1f} {min(mine):6.1f} {paired - 1:+6.1%}"
+            )
+        print(f"  {design:10} {cells[0]}             {cells[1]}")
 
 
 if __name__ == "__main__":
