@@ -295,7 +295,10 @@ async def _run(
     def pong(buf: memoryview, n: int) -> None:  # ping client
         nonlocal count
         if buf[:n] != ping[count % PING : count % PING + n]:
-            raise RuntimeError("the echo differs from what was sent")
+            # Raised here it would only be logged by the loop: fail the run instead (the child exits non-zero).
+            if not done.done():
+                done.set_exception(RuntimeError("the echo differs from what was sent"))
+            return
         count += n
         if count >= arg * PING:
             if not done.done():
@@ -364,8 +367,10 @@ def measure(design: str, workload: str, arg: int, cpu: int | None = None) -> tup
     procs = []
     for role, sock in (("server", server), ("client", client)):
         parent_end, child_end = mp.Pipe()
-        p = mp.Process(target=_child, args=(design, workload, role, sock, arg, child_end))
+        # Daemons: if one end fails, the parent's error ends the other instead of waiting for it.
+        p = mp.Process(target=_child, args=(design, workload, role, sock, arg, child_end), daemon=True)
         p.start()
+        child_end.close()  # the child's alone now: its exit is EOF here
         pipes[role] = parent_end
         procs.append(p)
     client.close()
