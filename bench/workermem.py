@@ -27,6 +27,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ztunnel.testing import TwoNodeMesh, ZtunnelProcess
 
@@ -144,7 +145,7 @@ def who_wrote(worker: int, control: int, witness: int) -> dict[str, dict[str, in
     return {k: dict(v) for k, v in out.items()}
 
 
-def one_start(workdir: Path, idle: float, inline: bool, witness: bool) -> dict[str, object]:
+def one_start(workdir: Path, idle: float, inline: bool, witness: bool) -> dict[str, Any]:
     mesh = TwoNodeMesh(workdir)
     extra = {"ZTUNNEL_WORKER_THREADS": "1"}
     if inline:
@@ -159,10 +160,10 @@ def one_start(workdir: Path, idle: float, inline: bool, witness: bool) -> dict[s
         if witness and not inline:
             witness_pid = int(record.read_text())
         workers = [p for p in z.children() if p != witness_pid]
-        samples: dict[str, object] = {}
+        samples: dict[str, Any] = {}
         for when, wait in (("start", 0.0), ("idle", idle)):
             time.sleep(wait)
-            sample: dict[str, object] = {"control": smaps(control)}
+            sample: dict[str, Any] = {"control": smaps(control)}
             if workers:
                 sample["worker"] = smaps(workers[0])
                 if witness_pid:
@@ -175,7 +176,7 @@ def one_start(workdir: Path, idle: float, inline: bool, witness: bool) -> dict[s
         z.stop()
 
 
-def median_of(runs: list[dict[str, object]], *path: str) -> float:
+def median_of(runs: list[dict[str, Any]], *path: str) -> float:
     values = []
     for run in runs:
         v: object = run
@@ -185,7 +186,7 @@ def median_of(runs: list[dict[str, object]], *path: str) -> float:
     return statistics.median(values) / MiB
 
 
-def report(runs: list[dict[str, object]], inline: bool) -> None:
+def report(runs: list[dict[str, Any]], inline: bool) -> None:
     kinds = ("total", "heap", "anon", "so-data", "so-text", "stack", "other")
     for when in ("start", "idle"):
         print(f"== {when} (medians of {len(runs)} starts, MiB)")
@@ -204,12 +205,9 @@ def report(runs: list[dict[str, object]], inline: bool) -> None:
                 f"  Rss {median_of(runs, when, proc, 'total', 'Rss'):.2f}"
             )
         if not inline:
-            whole = statistics.median(
-                sum(int(r[when][p]["total"]["Pss"]) for p in ("worker", "control"))  # type: ignore[index]
-                for r in runs
-            )
+            whole = statistics.median(sum(int(r[when][p]["total"]["Pss"]) for p in ("worker", "control")) for r in runs)
             print(f"  whole ztunnel PSS {whole / MiB:.2f}")
-            if any("pages" in r[when] for r in runs):  # type: ignore[operator]
+            if any("pages" in r[when] for r in runs):
                 print("  worker's writable pages by who wrote them since the fork:")
                 for k in ("total", "heap", "anon", "so-data"):
                     print(
