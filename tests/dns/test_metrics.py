@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client import Histogram as PromHistogram
 
 from ztunnel.dns.metrics import DURATION_BUCKETS, LABELS, DnsLabels, Metrics
-from ztunnel.metrics import Metric, Registry, encode, render
+from ztunnel.metrics import Metric, Registry, Sample, encode, render
 
 CLIENT = DnsLabels("a", "udp", "client", "v1")
 OTHER = DnsLabels("aaaa", "tcp")
@@ -51,7 +51,9 @@ def oracle() -> tuple[list[Metric], Metrics]:
     theirs: list[Metric] = []
     for m in reg.collect():
         mine = Metric(m.name, m.documentation, m.type, m.unit)
-        mine.samples = [s for s in m.samples if not s.name.endswith("_created")]  # upstream exports none
+        mine.samples = [
+            Sample(s.name, s.labels, s.value) for s in m.samples if not s.name.endswith("_created")
+        ]  # upstream exports none
         theirs.append(mine)
     return theirs, ours
 
