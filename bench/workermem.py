@@ -11,6 +11,10 @@ the control process and that witness at the same addresses tells which of the wo
 shared, which it copied itself (written by the worker) and which it holds privately because the control process
 wrote them (the control has a new copy, the worker and the witness still share the original).
 
+``--stages`` (with ``--witness``) also reads them while the control process is stopped right after the fork
+(``forked``: before it imports anything of the control plane) and after it imported the app (``imported``): which of
+its writes come from its imports and which from starting and running.
+
 ``--inline`` runs the inline model (``ZTUNNEL_INLINE_DATA_PLANE=true``): one process, nothing to split.
 """
 
@@ -19,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import socket
 import statistics
 import struct
 import sys
@@ -48,6 +54,17 @@ def forking():
             f.write(str(pid))
     return fork()
 os.fork = forking
+if os.environ.get("WORKERMEM_STAGES"):  # stop (SIGSTOP) right after the fork, and again after the app's imports
+    import signal
+    from ztunnel.workers import prefork
+    start = prefork.Preforked.start
+    def stopping(count):
+        out = start(count)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        import ztunnel.app
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return out
+    prefork.Preforked.start = stopping
 from ztunnel.__main__ import main
 sys.exit(main(["proxy"]))
 """
@@ -145,22 +162,52 @@ def who_wrote(worker: int, control: int, witness: int) -> dict[str, dict[str, in
     return {k: dict(v) for k, v in out.items()}
 
 
-def one_start(workdir: Path, idle: float, inline: bool, witness: bool) -> dict[str, Any]:
+def stopped(pid: int, timeout: float = 30.0) -> None:
+    """Wait until ``pid`` stopped itself (state ``T``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} did not stop")
+
+
+def one_start(workdir: Path, idle: float, inline: bool, witness: bool, stages: bool = False) -> dict[str, Any]:
     mesh = TwoNodeMesh(workdir)
     extra = {"ZTUNNEL_WORKER_THREADS": "1"}
     if inline:
         extra["ZTUNNEL_INLINE_DATA_PLANE"] = "true"
+    stages = stages and witness and not inline
+    if stages:
+        extra["WORKERMEM_STAGES"] = "1"
     record = workdir / "witness.pid"
     argv = [sys.executable, "-c", WITNESS, str(record)] if witness and not inline else None
-    z = ZtunnelProcess(mesh.env_a(**extra), workdir / "z.log", argv=argv).start()
+    z = ZtunnelProcess(mesh.env_a(**extra), workdir / "z.log", argv=argv)
+    samples: dict[str, Any] = {}
     witness_pid = 0
+    if stages:
+        z.start(wait_ready=False)
+        assert z.proc is not None
+        for when in ("forked", "imported"):
+            stopped(z.proc.pid)
+            witness_pid = int(record.read_text())
+            worker = next(p for p in z.children() if p != witness_pid)
+            samples[when] = {
+                "control": smaps(z.proc.pid),
+                "worker": smaps(worker),
+                "pages": who_wrote(worker, z.proc.pid, witness_pid),
+            }
+            os.kill(z.proc.pid, signal.SIGCONT)
+        wait_ready(mesh.node_a)
+    else:
+        z.start()
     try:
         assert z.proc is not None
         control = z.proc.pid
         if witness and not inline:
             witness_pid = int(record.read_text())
         workers = [p for p in z.children() if p != witness_pid]
-        samples: dict[str, Any] = {}
         for when, wait in (("start", 0.0), ("idle", idle)):
             time.sleep(wait)
             sample: dict[str, Any] = {"control": smaps(control)}
@@ -176,6 +223,21 @@ def one_start(workdir: Path, idle: float, inline: bool, witness: bool) -> dict[s
         z.stop()
 
 
+def wait_ready(host: str, timeout: float = 30.0) -> None:
+    """Until the readiness probe on ``host``:15021 answers 200."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, 15021), timeout=1) as s:
+                s.sendall(b"GET /healthz/ready HTTP/1.0\r\n\r\n")
+                if b" 200 " in s.recv(100):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError("ztunnel did not become ready")
+
+
 def median_of(runs: list[dict[str, Any]], *path: str) -> float:
     values = []
     for run in runs:
@@ -188,7 +250,9 @@ def median_of(runs: list[dict[str, Any]], *path: str) -> float:
 
 def report(runs: list[dict[str, Any]], inline: bool) -> None:
     kinds = ("total", "heap", "anon", "so-data", "so-text", "stack", "other")
-    for when in ("start", "idle"):
+    for when in ("forked", "imported", "start", "idle"):
+        if not all(when in r for r in runs):
+            continue
         print(f"== {when} (medians of {len(runs)} starts, MiB)")
         procs = ("control",) if inline else ("worker", "control")
         for proc in procs:
@@ -206,7 +270,11 @@ def report(runs: list[dict[str, Any]], inline: bool) -> None:
             )
         if not inline:
             whole = statistics.median(sum(int(r[when][p]["total"]["Pss"]) for p in ("worker", "control")) for r in runs)
-            print(f"  whole ztunnel PSS {whole / MiB:.2f}")
+            anon = statistics.median(
+                sum(int(r[when][p]["total"]["Pss_Anon"]) for p in ("worker", "control")) for r in runs
+            )
+            # Pss_Anon is the steadier sum: the file pages' share moves with whatever else maps the same libraries
+            print(f"  whole ztunnel PSS {whole / MiB:.2f}  Pss_Anon {anon / MiB:.2f}")
             if any("pages" in r[when] for r in runs):
                 print("  worker's writable pages by who wrote them since the fork:")
                 for k in ("total", "heap", "anon", "so-data"):
@@ -225,12 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle", type=float, default=30.0, help="seconds between the two readings (30)")
     ap.add_argument("--inline", action="store_true", help="the inline model: one process")
     ap.add_argument("--witness", action="store_true", help="classify the worker's pages by who wrote them (root)")
+    ap.add_argument("--stages", action="store_true", help="with --witness: also right after the fork and the imports")
     ap.add_argument("--json", type=Path, help="also write every reading here")
     args = ap.parse_args(argv)
     runs = []
     for _ in range(args.starts):
         with tempfile.TemporaryDirectory(prefix="workermem-") as d:
-            runs.append(one_start(Path(d), args.idle, args.inline, args.witness))
+            runs.append(one_start(Path(d), args.idle, args.inline, args.witness, args.stages))
     report(runs, args.inline)
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
