@@ -173,9 +173,11 @@ def stopped(pid: int, timeout: float = 30.0) -> None:
     raise TimeoutError(f"process {pid} did not stop")
 
 
-def one_start(workdir: Path, idle: float, inline: bool, witness: bool, stages: bool = False) -> dict[str, Any]:
+def one_start(
+    workdir: Path, idle: float, inline: bool, witness: bool, stages: bool = False, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     mesh = TwoNodeMesh(workdir)
-    extra = {"ZTUNNEL_WORKER_THREADS": "1"}
+    extra = {"ZTUNNEL_WORKER_THREADS": "1", **(env or {})}
     if inline:
         extra["ZTUNNEL_INLINE_DATA_PLANE"] = "true"
     stages = stages and witness and not inline
@@ -294,12 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inline", action="store_true", help="the inline model: one process")
     ap.add_argument("--witness", action="store_true", help="classify the worker's pages by who wrote them (root)")
     ap.add_argument("--stages", action="store_true", help="with --witness: also right after the fork and the imports")
+    ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the ztunnel process (repeatable)")
     ap.add_argument("--json", type=Path, help="also write every reading here")
     args = ap.parse_args(argv)
     runs = []
     for _ in range(args.starts):
         with tempfile.TemporaryDirectory(prefix="workermem-") as d:
-            runs.append(one_start(Path(d), args.idle, args.inline, args.witness, args.stages))
+            env = dict(e.split("=", 1) for e in args.env)
+            runs.append(one_start(Path(d), args.idle, args.inline, args.witness, args.stages, env))
     report(runs, args.inline)
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
