@@ -11,6 +11,9 @@ the control process and that witness at the same addresses tells which of the wo
 shared, which it copied itself (written by the worker) and which it holds privately because the control process
 wrote them (the control has a new copy, the worker and the witness still share the original).
 
+``--objects`` (with ``--witness``, at the last reading) names what lies on each class of pages: the witness
+dumps its objects (the pre-fork image's), and their bytes are summed by type and module per class.
+
 ``--stages`` (with ``--witness``) also reads them while the control process is stopped right after the fork
 (``forked``: before it imports anything of the control plane) and after it imported the app (``imported``): which of
 its writes come from its imports and which from starting and running.
@@ -44,10 +47,50 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 WITNESS = """
 import os, sys, time
 fork = os.fork
+def dump_objects(path):
+    # The witness's objects (the pre-fork image): (address, size, type, module) of every object the collector
+    # knows, the untracked ones they refer to (strings, code, numbers) and the dicts' key tables, as JSON.
+    import ctypes, gc, json
+    gc.unfreeze()  # the witness's own pages only: the pages were compared before this
+    code_type = type(dump_objects.__code__)
+    out, seen = [], set()
+    def where(o):
+        if type(o) is code_type:
+            f = o.co_filename
+            if "site-packages/" in f:
+                return f.split("site-packages/")[1].split("/")[0]
+            return "ztunnel" if "/ztunnel/" in f else "stdlib:" + f.rsplit("/", 1)[-1].removesuffix(".py")
+        m = getattr(o, "__module__", None) if isinstance(o, type) or callable(o) else None
+        return str(m).split(".")[0] if m else ""
+    def add(o):
+        if id(o) in seen:
+            return
+        seen.add(id(o))
+        size, start = sys.getsizeof(o), id(o) - (16 if gc.is_tracked(o) else 0)
+        if type(o) is dict:
+            keys = ctypes.c_void_p.from_address(id(o) + 32).value  # PyDictObject.ma_keys (3.11)
+            if keys and size > 64:
+                out.append((keys, size - 64, "dict keys", ""))
+                size = 64
+        out.append((start, size, type(o).__name__, where(o)))
+    for o in gc.get_objects():
+        add(o)
+        for r in gc.get_referents(o):
+            if not gc.is_tracked(r) and type(r) in (str, bytes, int, float, code_type):
+                add(r)
+                if type(r) is code_type:
+                    for c in r.co_consts + r.co_names + r.co_varnames:
+                        if not gc.is_tracked(c):
+                            add(c)
+    with open(path + ".tmp", "w") as f:
+        json.dump(out, f)
+    os.rename(path + ".tmp", path)
 def forking():
     if not os.path.exists(sys.argv[1]):
         pid = fork()
         if pid == 0:
+            import signal
+            signal.signal(signal.SIGUSR1, lambda *_: dump_objects(sys.argv[1] + ".objects"))
             while True:
                 time.sleep(3600)
         with open(sys.argv[1], "w") as f:
@@ -173,8 +216,55 @@ def stopped(pid: int, timeout: float = 30.0) -> None:
     raise TimeoutError(f"process {pid} did not stop")
 
 
+def page_classes(worker: int, control: int, witness: int) -> dict[int, str]:
+    """{page number: class} of the worker's pre-fork pages, the classes of :func:`who_wrote`."""
+    out: dict[int, str] = {}
+    for lo, hi, _ in writable_anon_ranges(worker):
+        w, c, x = frames(worker, lo, hi), frames(control, lo, hi), frames(witness, lo, hi)
+        for n, (fw, fc, fx) in enumerate(zip(w, c, x, strict=True)):
+            if fw and fx:
+                page = lo // PAGE + n
+                out[page] = "shared" if fw == fx == fc else "control" if fw == fx else "worker" if fc == fx else "both"
+    return out
+
+
+def objects_by_class(classes: dict[int, str], objects: list[list[Any]]) -> dict[str, dict[str, int]]:
+    """Bytes of the witness's objects on each class of pages, by ``type module`` (and ``*`` for all found)."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for start, size, tname, module in objects:
+        a, end = start, start + size
+        while a < end:
+            page = a // PAGE
+            nxt = min(end, (page + 1) * PAGE)
+            c = classes.get(page)
+            if c is not None:
+                out[c][f"{tname} {module}".strip()] += nxt - a
+                out[c]["*"] += nxt - a
+            a = nxt
+    return {k: dict(v) for k, v in out.items()}
+
+
+def dumped_objects(record: Path, witness: int, timeout: float = 120.0) -> list[list[Any]]:
+    """Ask the witness for its objects (SIGUSR1) and read them."""
+    path = Path(str(record) + ".objects")
+    os.kill(witness, signal.SIGUSR1)
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the witness did not dump its objects")
+        time.sleep(0.1)
+    out: list[list[Any]] = json.loads(path.read_text())
+    return out
+
+
 def one_start(
-    workdir: Path, idle: float, inline: bool, witness: bool, stages: bool = False, env: dict[str, str] | None = None
+    workdir: Path,
+    idle: float,
+    inline: bool,
+    witness: bool,
+    stages: bool = False,
+    env: dict[str, str] | None = None,
+    objects: bool = False,
 ) -> dict[str, Any]:
     mesh = TwoNodeMesh(workdir)
     extra = {"ZTUNNEL_WORKER_THREADS": "1", **(env or {})}
@@ -218,6 +308,9 @@ def one_start(
                 if witness_pid:
                     sample["pages"] = who_wrote(workers[0], control, witness_pid)
             samples[when] = sample
+        if objects and witness_pid and workers:
+            classes = page_classes(workers[0], control, witness_pid)
+            samples["objects"] = objects_by_class(classes, dumped_objects(record, witness_pid))
         return samples
     finally:
         if witness_pid:
@@ -248,6 +341,18 @@ def median_of(runs: list[dict[str, Any]], *path: str) -> float:
             v = v.get(p, {}) if isinstance(v, dict) else {}
         values.append(v if isinstance(v, int) else 0)
     return statistics.median(values) / MiB
+
+
+def report_objects(runs: list[dict[str, Any]]) -> None:
+    print("== objects of the pre-fork image on the worker's pages at the last reading (first start, MiB)")
+    objects = runs[0]["objects"]
+    for c in ("control", "both", "worker", "shared"):
+        found = objects.get(c, {})
+        top = sorted(((v, k) for k, v in found.items() if k != "*"), reverse=True)[:16]
+        print(
+            f"  {c}: {found.get('*', 0) / MiB:.2f} MiB of objects found; "
+            + ", ".join(f"{k} {v / MiB:.2f}" for v, k in top)
+        )
 
 
 def report(runs: list[dict[str, Any]], inline: bool) -> None:
@@ -296,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inline", action="store_true", help="the inline model: one process")
     ap.add_argument("--witness", action="store_true", help="classify the worker's pages by who wrote them (root)")
     ap.add_argument("--stages", action="store_true", help="with --witness: also right after the fork and the imports")
+    ap.add_argument("--objects", action="store_true", help="with --witness: what lies on each class of pages")
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the ztunnel process (repeatable)")
     ap.add_argument("--json", type=Path, help="also write every reading here")
     args = ap.parse_args(argv)
@@ -303,8 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.starts):
         with tempfile.TemporaryDirectory(prefix="workermem-") as d:
             env = dict(e.split("=", 1) for e in args.env)
-            runs.append(one_start(Path(d), args.idle, args.inline, args.witness, args.stages, env))
+            runs.append(one_start(Path(d), args.idle, args.inline, args.witness, args.stages, env, args.objects))
     report(runs, args.inline)
+    if all("objects" in r for r in runs):
+        report_objects(runs)
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
     return 0
