@@ -216,31 +216,37 @@ def stopped(pid: int, timeout: float = 30.0) -> None:
     raise TimeoutError(f"process {pid} did not stop")
 
 
-def page_classes(worker: int, control: int, witness: int) -> dict[int, str]:
-    """{page number: class} of the worker's pre-fork pages, the classes of :func:`who_wrote`."""
-    out: dict[int, str] = {}
-    for lo, hi, _ in writable_anon_ranges(worker):
+def page_classes(worker: int, control: int, witness: int) -> dict[int, tuple[str, str]]:
+    """{page number: (class, mapping kind)} of the worker's pre-fork pages, the classes of :func:`who_wrote`."""
+    out: dict[int, tuple[str, str]] = {}
+    for lo, hi, k in writable_anon_ranges(worker):
         w, c, x = frames(worker, lo, hi), frames(control, lo, hi), frames(witness, lo, hi)
         for n, (fw, fc, fx) in enumerate(zip(w, c, x, strict=True)):
             if fw and fx:
                 page = lo // PAGE + n
-                out[page] = "shared" if fw == fx == fc else "control" if fw == fx else "worker" if fc == fx else "both"
+                cls = "shared" if fw == fx == fc else "control" if fw == fx else "worker" if fc == fx else "both"
+                out[page] = (cls, k)
     return out
 
 
-def objects_by_class(classes: dict[int, str], objects: list[list[Any]]) -> dict[str, dict[str, int]]:
-    """Bytes of the witness's objects on each class of pages, by ``type module`` (and ``*`` for all found)."""
+def objects_by_class(classes: dict[int, tuple[str, str]], objects: list[list[Any]]) -> dict[str, dict[str, int]]:
+    """Bytes of the witness's objects on each class of pages, by ``type module``, with ``*`` for all found and
+    ``* <kind>`` for those in each kind of mapping (``pages <kind>``: the pages' own bytes)."""
     out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for start, size, tname, module in objects:
         a, end = start, start + size
         while a < end:
             page = a // PAGE
             nxt = min(end, (page + 1) * PAGE)
-            c = classes.get(page)
-            if c is not None:
+            ck = classes.get(page)
+            if ck is not None:
+                c, k = ck
                 out[c][f"{tname} {module}".strip()] += nxt - a
                 out[c]["*"] += nxt - a
+                out[c]["* " + k] += nxt - a
             a = nxt
+    for c, k in classes.values():
+        out[c]["pages " + k] += PAGE
     return {k: dict(v) for k, v in out.items()}
 
 
@@ -348,11 +354,13 @@ def report_objects(runs: list[dict[str, Any]]) -> None:
     objects = runs[0]["objects"]
     for c in ("control", "both", "worker", "shared"):
         found = objects.get(c, {})
-        top = sorted(((v, k) for k, v in found.items() if k != "*"), reverse=True)[:16]
-        print(
-            f"  {c}: {found.get('*', 0) / MiB:.2f} MiB of objects found; "
-            + ", ".join(f"{k} {v / MiB:.2f}" for v, k in top)
+        top = sorted(((v, k) for k, v in found.items() if not k.startswith(("*", "pages "))), reverse=True)[:16]
+        kinds = ", ".join(
+            f"{k} {found.get('* ' + k, 0) / MiB:.2f} of {found.get('pages ' + k, 0) / MiB:.2f}"
+            for k in ("heap", "anon", "so-data")
         )
+        print(f"  {c}: {found.get('*', 0) / MiB:.2f} MiB of objects found (on pages by mapping: {kinds})")
+        print("    " + ", ".join(f"{k} {v / MiB:.2f}" for v, k in top))
 
 
 def report(runs: list[dict[str, Any]], inline: bool) -> None:
