@@ -175,33 +175,44 @@ def frames(pid: int, lo: int, hi: int) -> list[int]:
     return out
 
 
-def who_wrote(worker: int, control: int, witness: int) -> dict[str, dict[str, int]]:
-    """Of the worker's present writable pages, by mapping kind: ``shared`` (all three have the same frame),
-    ``worker`` (the worker copied it: the control and the witness still share it), ``control`` (the control copied
-    it, the worker kept the original with the witness), ``both``, ``new`` (no pre-fork page: the witness has none
-    there)."""
-    out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for lo, hi, k in writable_anon_ranges(worker):
+def page_class(worker: int, control: int, witness: int) -> str:
+    """Who wrote a page of the worker since the fork, from the page frame each process maps at its address (0: none):
+    ``shared`` (all three have the same frame), ``worker`` (the worker copied it: the control and the witness still
+    share it), ``control`` (the control copied it, the worker kept the original with the witness), ``both``, ``new``
+    (no pre-fork page: the witness has none there)."""
+    if not witness:
+        return "new"
+    if worker == witness == control:
+        return "shared"
+    if worker == witness:
+        return "control"
+    return "worker" if control == witness else "both"
+
+
+def page_classes(
+    worker: int, control: int, witness: int, ranges: list[tuple[int, int, str]] | None = None
+) -> dict[int, tuple[str, str]]:
+    """{page number: (:func:`page_class`, mapping kind)} of the worker's present pages in ``ranges`` (default: its
+    writable private mappings, :func:`writable_anon_ranges`)."""
+    out: dict[int, tuple[str, str]] = {}
+    for lo, hi, k in ranges if ranges is not None else writable_anon_ranges(worker):
         w = frames(worker, lo, hi)
         try:
             c, x = frames(control, lo, hi), frames(witness, lo, hi)
         except OSError:
             c = x = [0] * len(w)
-        for fw, fc, fx in zip(w, c, x, strict=True):
-            if not fw:
-                continue
-            if not fx:
-                what = "new"
-            elif fw == fx == fc:
-                what = "shared"
-            elif fw == fx:
-                what = "control"
-            elif fc == fx:
-                what = "worker"
-            else:
-                what = "both"
-            out[k][what] += PAGE
-            out["total"][what] += PAGE
+        for n, (fw, fc, fx) in enumerate(zip(w, c, x, strict=True)):
+            if fw:
+                out[lo // PAGE + n] = (page_class(fw, fc, fx), k)
+    return out
+
+
+def who_wrote(worker: int, control: int, witness: int) -> dict[str, dict[str, int]]:
+    """Bytes of the worker's present writable pages by :func:`page_class`, per mapping kind and in ``total``."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for what, k in page_classes(worker, control, witness).values():
+        out[k][what] += PAGE
+        out["total"][what] += PAGE
     return {k: dict(v) for k, v in out.items()}
 
 
@@ -214,19 +225,6 @@ def stopped(pid: int, timeout: float = 30.0) -> None:
                 return
         time.sleep(0.01)
     raise TimeoutError(f"process {pid} did not stop")
-
-
-def page_classes(worker: int, control: int, witness: int) -> dict[int, tuple[str, str]]:
-    """{page number: (class, mapping kind)} of the worker's pre-fork pages, the classes of :func:`who_wrote`."""
-    out: dict[int, tuple[str, str]] = {}
-    for lo, hi, k in writable_anon_ranges(worker):
-        w, c, x = frames(worker, lo, hi), frames(control, lo, hi), frames(witness, lo, hi)
-        for n, (fw, fc, fx) in enumerate(zip(w, c, x, strict=True)):
-            if fw and fx:
-                page = lo // PAGE + n
-                cls = "shared" if fw == fx == fc else "control" if fw == fx else "worker" if fc == fx else "both"
-                out[page] = (cls, k)
-    return out
 
 
 def objects_by_class(classes: dict[int, tuple[str, str]], objects: list[list[Any]]) -> dict[str, dict[str, int]]:
@@ -246,7 +244,8 @@ def objects_by_class(classes: dict[int, tuple[str, str]], objects: list[list[Any
                 out[c]["* " + k] += nxt - a
             a = nxt
     for c, k in classes.values():
-        out[c]["pages " + k] += PAGE
+        if c != "new":
+            out[c]["pages " + k] += PAGE
     return {k: dict(v) for k, v in out.items()}
 
 
