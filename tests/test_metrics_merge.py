@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from ztunnel.app import App
@@ -23,7 +21,7 @@ from ztunnel.dns.metrics import Metrics as DnsMetrics
 from ztunnel.inpod.netns import Netns
 from ztunnel.inpod.statemanager import WorkloadProxyManagerState
 from ztunnel.inpod.workloadmanager import WorkloadProxyManager
-from ztunnel.metrics import Family, Registry, StatsServer, encode, render
+from ztunnel.metrics import Family, Metric, Registry, StatsServer, encode, render
 from ztunnel.metrics_merge import (
     CUMULATIVE,
     EMPTY,
@@ -107,9 +105,9 @@ def no_netns(fd: int) -> Netns:
 def worker_registry(version: str) -> tuple[Registry, TrafficMetrics, DnsMetrics]:
     """A data-plane worker's families: the proxies' and the DNS proxy's, nothing of the control plane."""
     registry = Registry(version)
-    extra = CollectorRegistry(auto_describe=True)
-    registry.extra.append(extra)
-    return registry, TrafficMetrics(registry), DnsMetrics(extra)
+    dns = DnsMetrics()
+    registry.extra.append(dns)
+    return registry, TrafficMetrics(registry), dns
 
 
 def app() -> App:

@@ -16,10 +16,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import Metric
-from prometheus_client.samples import Sample
-
 from ztunnel import thirdparty
 from ztunnel.admin import AdminServer
 from ztunnel.config import Config, ProxyMode
@@ -30,7 +26,7 @@ from ztunnel.errors import ZtunnelError
 from ztunnel.identity.ca import CaError, LocalCA
 from ztunnel.identity.manager import CertificateProvider
 from ztunnel.localconfig import LocalConfig, load_local_config, parse_local_config
-from ztunnel.metrics import Registry, StatsServer
+from ztunnel.metrics import Metric, Registry, Sample, StatsServer
 from ztunnel.proxy import Proxy
 from ztunnel.proxy.common import TlsContextCache
 from ztunnel.proxy.connection_manager import ConnectionRecord, connections_dump
@@ -88,13 +84,12 @@ class App:
         self.traffic = TrafficMetrics(self.registry)
         self.crl_metrics = CrlMetrics(self.registry)  # registered always, as upstream; counted where CRLs are checked
         self.registry.dynamic.append(self._xds_metrics)
-        # The DNS metrics are prometheus-client objects in a registry of their own, written out with ours on 15020;
-        # one set for the process, shared by every DNS proxy (upstream creates dns::Metrics once in app.rs). With
-        # worker processes these families stay empty here (the workers' are merged in at each scrape), and only
-        # give the merge upstream's family order.
-        dns_registry = CollectorRegistry(auto_describe=True)
-        self.registry.extra.append(dns_registry)
-        self.dns_metrics = DnsMetrics(dns_registry)
+        # The DNS metrics are a collector of their own, written out after ours on 15020; one set for the process,
+        # shared by every DNS proxy (upstream creates dns::Metrics once in app.rs). With worker processes these
+        # families stay empty here (the workers' are merged in at each scrape), and only give the merge upstream's
+        # family order.
+        self.dns_metrics = DnsMetrics()
+        self.registry.extra.append(self.dns_metrics)
 
     async def start(self) -> None:
         """Load state and start every component. Raises :class:`StartupError` with a clear message."""

@@ -23,10 +23,7 @@ import os
 import resource
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-
-from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import Metric
-from prometheus_client.samples import Sample
+from typing import NamedTuple, Protocol
 
 from ztunnel import __version__
 from ztunnel.config import SocketAddress
@@ -36,6 +33,39 @@ from ztunnel.telemetry import dropped_lines
 log = logging.getLogger("ztunnel.metrics")
 
 Labels = tuple[tuple[str, str], ...]
+
+
+class Sample(NamedTuple):
+    """One sample of a family, as prometheus-client's ``Sample`` (its first three fields): the data-plane workers
+    do not import prometheus-client (2.1 MiB of objects in every worker: docs/process-model.md, "A worker's idle
+    memory"), so the families they expose are these."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+class Metric:
+    """One metric family at scrape time, with prometheus-client's ``Metric`` attributes (``name``,
+    ``documentation``, ``type``, ``unit``, ``samples``); its name gets ``_<unit>`` appended unless it ends so, as
+    there. What :func:`render` writes and :mod:`ztunnel.metrics_merge` merges."""
+
+    __slots__ = ("documentation", "name", "samples", "type", "unit")
+
+    def __init__(self, name: str, documentation: str, typ: str, unit: str = "") -> None:
+        if unit and not name.endswith("_" + unit):
+            name += "_" + unit
+        self.name = name
+        self.documentation = documentation
+        self.type = typ
+        self.unit = unit
+        self.samples: list[Sample] = []
+
+
+class Collector(Protocol):
+    """Something with families of its own to write beside the registry's (the DNS proxy's metrics)."""
+
+    def collect(self) -> Iterable[Metric]: ...
 
 
 class Child:
@@ -76,14 +106,17 @@ class Family:
 
 
 class Histogram:
-    """A histogram family with fixed buckets (DNS upstream latency)."""
+    """A histogram family with fixed buckets (event-loop lag, GC pauses, DNS upstream latency). With a ``unit``
+    the name ends in ``_<unit>``, as prometheus-client names it."""
 
     kind = "histogram"
-    unit = ""
 
-    def __init__(self, name: str, help: str, buckets: Iterable[float]) -> None:
+    def __init__(self, name: str, help: str, buckets: Iterable[float], unit: str = "") -> None:
+        if unit and not name.endswith("_" + unit):
+            name += "_" + unit
         self.name = name
         self.help = help
+        self.unit = unit
         self.buckets = tuple(sorted(buckets))
         self.children: dict[Labels, list[float]] = {}
 
@@ -108,7 +141,7 @@ class Histogram:
             yield self.name + "_sum", labels, c[-1]
 
     def metric(self) -> Metric:
-        m = Metric(self.name, self.help, "histogram")
+        m = Metric(self.name, self.help, "histogram", self.unit)
         m.samples = [Sample(n, dict(labels), v) for n, labels, v in self.samples()]
         return m
 
@@ -123,8 +156,8 @@ class Registry:
     def __init__(self, istio_version: str = "") -> None:
         self.families: list[Family | Histogram] = []
         self.dynamic: list[Callable[[], Iterable[Metric]]] = []
-        # prometheus-client registries of other components (their metrics are written with ours).
-        self.extra: list[CollectorRegistry] = []
+        # Other components' families (the DNS proxy's), written after ours.
+        self.extra: list[Collector] = []
         build = self.family("istio_build", "Istio component build info", "gauge")
         build.child((("component", "ztunnel"), ("tag", istio_version or __version__))).value = 1
         RUNTIME.ensure_started()  # the registry of a running process: its loop is probed from now on
@@ -157,13 +190,10 @@ class Registry:
 
     def computed(self) -> Iterator[Metric]:
         """The families made at scrape time, in exposition order after our own: callbacks, the process's
-        descriptors, then the extra registries' families without prometheus-client's ``_created`` samples
-        (upstream exports none)."""
+        descriptors, then the extra collectors' families."""
         yield from self._computed()
         for extra in self.extra:
-            for m in extra.collect():
-                m.samples = [s for s in m.samples if not s.name.endswith("_created")]
-                yield m
+            yield from extra.collect()
 
     def exposed(self) -> Iterator[Metric]:
         """Every family ``/metrics`` shows, in its order: our families, then :meth:`computed`."""

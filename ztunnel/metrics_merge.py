@@ -37,10 +37,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from prometheus_client.metrics_core import Metric
-from prometheus_client.samples import Sample
-
-from ztunnel.metrics import Labels, Registry
+from ztunnel.metrics import Labels, Metric, Registry, Sample
 
 # Kinds whose samples only ever grow: kept for a worker that exited, and summed with its successors'.
 CUMULATIVE = frozenset({"counter", "histogram", "summary"})

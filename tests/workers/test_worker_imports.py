@@ -35,9 +35,11 @@ FORBIDDEN = (
 
 
 # Modules a worker never uses though code it shares with the control process could import them at start: PyYAML
-# (only the control process parses YAML) and the profiler (imported on the first profiling request). Each would
-# cost every worker its objects (docs/process-model.md, "A worker's idle memory").
-UNUSED = ("yaml", "ztunnel.profiling", "tracemalloc")
+# (only the control process parses YAML), the profiler (imported on the first profiling request), prometheus-client
+# (the control process's /metrics parses nothing of it: a worker's families are ztunnel.metrics' own) and dnspython's
+# resolver (a worker reads resolv.conf with ztunnel.dns.forwarder.ResolvConf). Each would cost every worker its
+# objects (docs/process-model.md, "A worker's idle memory").
+UNUSED = ("yaml", "ztunnel.profiling", "tracemalloc", "prometheus_client", "dns.resolver")
 
 
 def loaded_after(*modules: str) -> set[str]:
@@ -58,7 +60,7 @@ def test_the_worker_imports_none_of_the_control_process() -> None:
 
 
 def test_the_unused_check_sees_them() -> None:
-    loaded = loaded_after("ztunnel.localconfig", "ztunnel.profiling")
+    loaded = loaded_after("ztunnel.localconfig", "ztunnel.profiling", "prometheus_client", "dns.resolver")
     assert set(UNUSED) <= set(forbidden(loaded, UNUSED))
 
 

@@ -17,6 +17,7 @@ Sockets and timers are the only I/O here; the wire format is dnspython's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import socket
@@ -31,7 +32,6 @@ import dns.flags
 import dns.message
 import dns.name
 import dns.rcode
-import dns.resolver
 
 from ztunnel.config import ProxyMode
 from ztunnel.errors import ZtunnelError
@@ -75,7 +75,14 @@ class Nameserver:
 
 @dataclass(frozen=True, slots=True)
 class ResolvConf:
-    """The parts of resolv.conf the proxy uses (parsed by dnspython)."""
+    """The parts of resolv.conf the proxy uses: nameservers, search list, ``options timeout:``.
+
+    Parsed here, as dnspython's ``Resolver.read_resolv_conf`` reads the same file (``tests/dns/test_resolv_conf.py``
+    holds the two to the same answers), not with it: ``dns.resolver`` imports dnspython's whole client
+    (``dns.query``, ``dns.asyncquery``, ``dns.xfr``...), 0.9 MiB of objects in every data-plane worker for the few
+    lines of this file (docs/process-model.md, "A worker's idle memory"). One difference: a ``nameserver`` line
+    that is not an IP address is skipped with a warning, where dnspython refuses the whole file.
+    """
 
     nameservers: tuple[Nameserver, ...]
     search: tuple[dns.name.Name, ...]
@@ -84,20 +91,50 @@ class ResolvConf:
     @classmethod
     def load(cls, path: str | Path = RESOLV_CONF) -> ResolvConf:
         """Read ``path``. A missing file or one without nameservers gives no nameservers (and a warning)."""
-        r = dns.resolver.Resolver(configure=False)
         try:
-            r.read_resolv_conf(str(path))
-        except (OSError, ValueError, dns.exception.DNSException) as e:  # no file, no nameserver, a bad line
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, ValueError) as e:  # no file, not UTF-8
             log.warning("DNS proxy: no upstream nameservers from %s (%s); forwarded queries will get SERVFAIL", path, e)
             return cls((), (), DEFAULT_TRY_TIMEOUT)
+        return cls.parse(text, str(path))
+
+    @classmethod
+    def parse(cls, text: str, path: str = RESOLV_CONF) -> ResolvConf:
+        """The resolv.conf ``text`` (read from ``path``, named in warnings)."""
         servers: list[Nameserver] = []
-        for ns in r.nameservers:
-            text = str(ns).split("%", 1)[0]  # drop an IPv6 zone id
-            try:
-                servers.append(Nameserver(canonical_ip(ipaddress.ip_address(text))))
-            except ValueError:
-                log.warning("DNS proxy: ignoring nameserver %r in %s: not an IP address", str(ns), path)
-        return cls(tuple(servers), tuple(r.search), float(r.timeout) if r.timeout else DEFAULT_TRY_TIMEOUT)
+        search: list[dns.name.Name] = []
+        timeout = 0
+        for line in text.splitlines():
+            if not line or line[0] in "#;":
+                continue
+            tokens = line.split()
+            if len(tokens) < 2:  # malformed: skipped, as every resolver does
+                continue
+            key = tokens[0]
+            if key == "nameserver":
+                address = tokens[1].split("%", 1)[0]  # drop an IPv6 zone id
+                try:
+                    servers.append(Nameserver(canonical_ip(ipaddress.ip_address(address))))
+                except ValueError:
+                    log.warning("DNS proxy: ignoring nameserver %r in %s: not an IP address", tokens[1], path)
+            elif key in ("domain", "search"):
+                # domain and search exclude each other and the last line wins; a domain alone is no search list
+                # (dnspython's reading: its resolver only searches ``domain`` when asked to)
+                try:
+                    search = [dns.name.from_text(suffix) for suffix in tokens[1:]] if key == "search" else []
+                except (dns.exception.DNSException, ValueError) as e:
+                    log.warning("DNS proxy: ignoring %r in %s: %s", line.strip(), path, e)
+            elif key == "options":
+                for opt in tokens[1:]:
+                    if "timeout" in opt:
+                        with contextlib.suppress(ValueError, IndexError):  # a bad value keeps the last good one
+                            timeout = int(opt.split(":")[1])
+        if not servers:
+            log.warning(
+                "DNS proxy: no upstream nameservers from %s (no nameservers); forwarded queries will get SERVFAIL", path
+            )
+            return cls((), (), DEFAULT_TRY_TIMEOUT)
+        return cls(tuple(servers), tuple(search), float(timeout) if timeout else DEFAULT_TRY_TIMEOUT)
 
     def to_json(self) -> dict[str, Any]:
         """``dnsResolverCfg`` / ``dnsResolverOpts`` of ``/config_dump``: the nameservers forwarded to, in the shape

@@ -7,27 +7,37 @@ There is deliberately no hostname or destination label (upstream #932/#936: unbo
 reason a query type dnspython does not know (a client can send all 65,536 values) is reported as ``unknown``
 rather than as ``type65280``.
 
-The metrics register into a prometheus-client ``CollectorRegistry`` handed in by the caller, so the stats server
-(15020) can expose them next to the proxy's. Label children are cached per label set: prometheus-client's
-``labels(...)`` costs ~5 µs and a cached child's ``inc()`` ~0.3 µs, and the label sets are few (one client
+The families are the project's own (:class:`ztunnel.metrics.Family`, a bare number per label set), not
+prometheus-client's: a data-plane worker runs the DNS proxy, and prometheus-client would be 2.1 MiB of objects in
+every worker (docs/process-model.md, "A worker's idle memory"). They are written out by the stats server (15020)
+next to the proxy's (the owner appends the :class:`Metrics` to its registry's ``extra`` collectors), with the
+names, labels, HELP text and values prometheus-client's ``Counter`` and ``Histogram`` gave them, without the
+``_created`` samples (upstream exports none). Children are cached per label set: the label sets are few (one client
 workload per proxy, a handful of query types, two protocols).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, Protocol
 
 import dns.rdatatype
-from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from ztunnel.metrics import Child, Family, Histogram, Labels, Metric
 from ztunnel.state.workload import Workload
 
 LABELS = ("request_query_type", "request_protocol", "source_canonical_service", "source_canonical_revision")
 # Upstream's buckets for the forwarding latency, in seconds.
 DURATION_BUCKETS = (0.0005, 0.001, 0.01, 0.1, 1.0, 5.0)
 UNKNOWN = "unknown"
-_M = TypeVar("_M", Counter, Histogram)
+
+
+class Registers(Protocol):
+    """A registry that takes collectors (prometheus-client's ``CollectorRegistry``: tests read values with its
+    ``get_sample_value``)."""
+
+    def register(self, collector: Any) -> None: ...
 
 
 def query_type_label(rdtype: int) -> str:
@@ -55,70 +65,68 @@ class DnsLabels:
             return cls(qtype, protocol)
         return cls(qtype, protocol, source.canonical_name or UNKNOWN, source.canonical_revision or UNKNOWN)
 
-    def values(self) -> tuple[str, str, str, str]:
+    def values(self) -> Labels:
+        """The label pairs, in upstream's order."""
         return (
-            self.request_query_type,
-            self.request_protocol,
-            self.source_canonical_service,
-            self.source_canonical_revision,
+            ("request_query_type", self.request_query_type),
+            ("request_protocol", self.request_protocol),
+            ("source_canonical_service", self.source_canonical_service),
+            ("source_canonical_revision", self.source_canonical_revision),
         )
 
 
 class Metrics:
     """``istio_dns_requests_total``, ``istio_dns_upstream_requests_total``, ``istio_dns_upstream_failures_total``
-    and ``istio_dns_upstream_request_duration_seconds``, registered into ``registry``."""
+    and ``istio_dns_upstream_request_duration_seconds``: a collector (:meth:`collect`), registered into
+    ``registry`` when one is given."""
 
     # Label sets are bounded in practice; the cap only guards against a misbehaving caller.
     _MAX_CACHED = 4096
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        reg = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        self.registry = reg
-        self.requests = Counter("istio_dns_requests", "Total number of DNS requests (unstable)", LABELS, registry=reg)
-        self.forwarded_requests = Counter(
-            "istio_dns_upstream_requests",
-            "Total number of DNS requests forwarded to upstream (unstable)",
-            LABELS,
-            registry=reg,
+    def __init__(self, registry: Registers | None = None) -> None:
+        self.requests = Family("istio_dns_requests", "Total number of DNS requests (unstable)")
+        self.forwarded_requests = Family(
+            "istio_dns_upstream_requests", "Total number of DNS requests forwarded to upstream (unstable)"
         )
-        self.forwarded_failures = Counter(
-            "istio_dns_upstream_failures",
-            "Total number of DNS requests that failed to forward upstream (unstable)",
-            LABELS,
-            registry=reg,
+        self.forwarded_failures = Family(
+            "istio_dns_upstream_failures", "Total number of DNS requests that failed to forward upstream (unstable)"
         )
         self.forwarded_duration = Histogram(
             "istio_dns_upstream_request_duration",
             "Total time in seconds Istio takes to get DNS response from upstream (unstable)",
-            LABELS,
+            DURATION_BUCKETS,
             unit="seconds",
-            buckets=DURATION_BUCKETS,
-            registry=reg,
         )
         # Children are created on first use, as upstream's families do: a label set that was only ever answered
         # locally has no upstream series at all (not a zero one).
-        self._requests: dict[DnsLabels, Counter] = {}
-        self._forwarded: dict[DnsLabels, Counter] = {}
-        self._failures: dict[DnsLabels, Counter] = {}
-        self._durations: dict[DnsLabels, Histogram] = {}
+        self._requests: dict[DnsLabels, Child] = {}
+        self._forwarded: dict[DnsLabels, Child] = {}
+        self._failures: dict[DnsLabels, Child] = {}
+        if registry is not None:
+            registry.register(self)
 
-    def _child(self, cache: dict[DnsLabels, _M], family: _M, labels: DnsLabels) -> _M:
+    def collect(self) -> Iterator[Metric]:
+        """The four families, in registration order (empty ones too: the writer leaves them out)."""
+        for f in (self.requests, self.forwarded_requests, self.forwarded_failures, self.forwarded_duration):
+            yield f.metric()
+
+    def _child(self, cache: dict[DnsLabels, Child], family: Family, labels: DnsLabels) -> Child:
         c = cache.get(labels)
         if c is None:
             if len(cache) >= self._MAX_CACHED:
                 cache.clear()
-            c = cache[labels] = family.labels(*labels.values())
+            c = cache[labels] = family.child(labels.values())
         return c
 
     def request(self, labels: DnsLabels) -> None:
         """A request answered here, forwarded, or refused for an unknown client."""
-        self._child(self._requests, self.requests, labels).inc()
+        self._child(self._requests, self.requests, labels).value += 1
 
     def forwarded(self, labels: DnsLabels) -> None:
-        self._child(self._forwarded, self.forwarded_requests, labels).inc()
+        self._child(self._forwarded, self.forwarded_requests, labels).value += 1
 
     def forward_failed(self, labels: DnsLabels) -> None:
-        self._child(self._failures, self.forwarded_failures, labels).inc()
+        self._child(self._failures, self.forwarded_failures, labels).value += 1
 
     def forward_duration(self, labels: DnsLabels, seconds: float) -> None:
-        self._child(self._durations, self.forwarded_duration, labels).observe(seconds)
+        self.forwarded_duration.observe(labels.values(), seconds)

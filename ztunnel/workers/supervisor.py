@@ -37,16 +37,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client.metrics_core import Metric
-from prometheus_client.samples import Sample
-
 from ztunnel.config import Config, ProxyMode, SocketAddress, WorkloadInfo
 from ztunnel.errors import ZtunnelError
 from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.manager import CertificateProvider, CertificateUnavailable, SecretManager
 from ztunnel.identity.spiffe import Identity
 from ztunnel.inpod.netns import Netns, NetnsId
-from ztunnel.metrics import Registry
+from ztunnel.metrics import Metric, Registry, Sample
 from ztunnel.metrics_merge import MetricsMerger, snapshot
 from ztunnel.readiness import BlockReady, Readiness
 from ztunnel.sockets import SocketConfig, SocketFactory

@@ -28,8 +28,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from prometheus_client import CollectorRegistry
-
 from ztunnel import telemetry, thirdparty
 from ztunnel.config import Config, LogFormat, ProxyMode
 from ztunnel.dns import DnsProxy
@@ -215,9 +213,8 @@ class Worker:
         self.drain = Drain(f"worker {self.index}")
         self.registry = Registry(cfg.istio_version)
         self.traffic = TrafficMetrics(self.registry)
-        dns_registry = CollectorRegistry(auto_describe=True)
-        self.registry.extra.append(dns_registry)
-        dns_metrics = DnsMetrics(dns_registry)
+        dns_metrics = DnsMetrics()
+        self.registry.extra.append(dns_metrics)
         assert self.channel is not None
         self.certs = RemoteCertificates(self.channel)
         if msg.load_board and fds:
