@@ -1,10 +1,12 @@
 """Prometheus metrics with upstream's names, labels and HELP text, served on 15020 (upstream ``metrics.rs``).
 
-The hot path never touches prometheus-client: a metric child is a plain object with a ``value`` field, found once
-per connection (``family.child(labels)``) and incremented with ``child.value += n`` (~30 ns; prometheus-client's
+The proxy does not use prometheus-client: a metric child is a plain object with a ``value`` field, found once per
+connection (``family.child(labels)``) and incremented with ``child.value += n`` (~30 ns; prometheus-client's
 ``labels(**kw).inc()`` is ~5 µs with 23 labels and its cached child ~0.3 µs behind a lock, measured on these
-machines). A :class:`~prometheus_client.registry.Collector` renders the families at scrape time, which also lets a
-family carry label sets of different shapes, as upstream's optional locality labels need.
+machines), and the families are written in its text format at scrape time (:func:`render`), which also lets a
+family carry label sets of different shapes, as upstream's optional locality labels need. Not importing it keeps
+2.1 MiB of objects out of every data-plane worker (docs/process-model.md); the tests hold its parser and its
+output as the oracle of ours.
 
 Stable metrics (no "unstable" in HELP, exactly upstream's set that applies to a Python process): ``istio_build``,
 the four ``istio_tcp_*`` series, ``process_open_fds`` and ``process_max_fds``. Upstream also exports ``tokio_*``
