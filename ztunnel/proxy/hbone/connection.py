@@ -513,6 +513,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         if stream.done or self.closed:
             return
         self.core.send_response(stream.stream_id, status, end_stream=True)
+        stream.give_back()  # bytes that arrived before the refusal: the connection's window back
         self.detach(stream.stream_id)
         self.flush()
 
