@@ -193,6 +193,36 @@ async def test_end_half_closes_only_our_side(pair: Pair) -> None:
     assert not stream.done
 
 
+async def test_a_stream_reset_while_its_app_is_slow_gives_the_connection_window_back(pair: Pair) -> None:
+    """The server's app does not read: its stream stops releasing window (the stream's and the connection's) and
+    holds the bytes. The client resets the stream: what it held goes back to the connection, or the connection's
+    16 MiB window would shrink by that much for good (four such streams and it stalls)."""
+    stream, server, theirs = await pair.request()
+    server.respond(theirs, 200)
+    assert stream.response is not None
+    await asyncio.wait_for(stream.response, 5)
+    _, client_w = await pair.app_side(stream)
+    await pair.app_side(theirs)  # never read
+    client_w.write(b"s" * (32 << 20))
+    await eventually(lambda: server.core.receive_held > (1 << 20), 20)
+    assert theirs._held > 0
+    stream.reset(ErrorCode.CANCEL)
+    await eventually(lambda: theirs.done)
+    assert server.core.receive_held == 0
+    assert server.core.receive_window + server.core._conn_released == 16 << 20
+
+
+async def test_a_refused_stream_gives_back_what_arrived_before_the_refusal(pair: Pair) -> None:
+    """Bytes that arrive on a stream before its CONNECT is answered wait in the stream (bounded by its window); a
+    refusal drops them and gives the connection its window back."""
+    stream, server, theirs = await pair.request()
+    _, client_w = await pair.app_side(stream)  # the client sends before the answer (a peer may)
+    client_w.write(b"e" * 100_000)
+    await eventually(lambda: server.core.receive_held == 100_000)
+    server.reject(theirs, 503)
+    assert server.core.receive_held == 0
+
+
 # -- the boundary ------------------------------------------------------------------------------------------------
 
 # What only proxy/hbone/ may touch: the HTTP/2 core of a transport, its stream table, its flush, a stream's callback.
