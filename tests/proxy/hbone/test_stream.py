@@ -17,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from hyperframe.frame import SettingsFrame
 
 from ztunnel import tls
 from ztunnel.identity.ca import LocalCA
@@ -221,6 +222,20 @@ async def test_a_refused_stream_gives_back_what_arrived_before_the_refusal(pair:
     await eventually(lambda: server.core.receive_held == 100_000)
     server.reject(theirs, 503)
     assert server.core.receive_held == 0
+
+
+async def test_the_peers_stream_limit_has_one_owner(pair: Pair) -> None:
+    """The peer's SETTINGS_MAX_CONCURRENT_STREAMS is kept by the HTTP/2 core alone, which enforces it; the
+    transport's checkout (``open_stream_within``) reads it there. With a copy of its own, updated only when the
+    SETTINGS event was dispatched, the transport let a stream through that the core then refused with
+    StreamLimitError (here: a SETTINGS the core has applied and the transport has not seen)."""
+    first = pair.client.open_stream_within(100, "10.0.0.2:8080")
+    assert first is not None
+    pair.client.core.receive_data(SettingsFrame(0, settings={SettingsFrame.MAX_CONCURRENT_STREAMS: 1}).serialize())
+    assert pair.client.peer_max_streams == 1
+    assert pair.client.open_stream_within(100, "10.0.0.2:8080") is None  # full, not StreamLimitError
+    pair.client.core.receive_data(SettingsFrame(0, settings={SettingsFrame.MAX_CONCURRENT_STREAMS: 5}).serialize())
+    assert pair.client.open_stream_within(100, "10.0.0.2:8080") is not None
 
 
 # -- the boundary ------------------------------------------------------------------------------------------------

@@ -367,7 +367,9 @@ class HboneConnection:
         # What the peer's SETTINGS said, RFC 9113's defaults until they come.
         self._peer_initial_window = _DEFAULT_WINDOW
         self._peer_max_frame = _DEFAULT_FRAME_SIZE
-        self._peer_max_streams = 2**31  # unlimited until the peer says otherwise
+        # The peer's SETTINGS_MAX_CONCURRENT_STREAMS, unlimited until it says otherwise: kept here only (send_connect
+        # enforces it, the transport's open_stream_within and the pool read it from here).
+        self.peer_max_streams = 2**31
         self._send_window = _DEFAULT_WINDOW  # the connection's, towards the peer
         self.streams: dict[int, _Stream] = {}
         # Allocated at the first receive: a connection still in its TLS handshake (or stalled there) costs none.
@@ -868,7 +870,7 @@ class HboneConnection:
             elif ident == _MAX_FRAME_SIZE:
                 self._peer_max_frame = value
             elif ident == _MAX_CONCURRENT_STREAMS:
-                self._peer_max_streams = max_streams = value
+                self.peer_max_streams = max_streams = value
             elif ident == _HEADER_TABLE_SIZE:
                 self._header_table_size_changed(value)
             # SETTINGS_MAX_HEADER_LIST_SIZE is advisory (our blocks are a few hundred bytes); others are unknown.
@@ -1091,7 +1093,7 @@ class HboneConnection:
         :class:`StreamLimitError` when no stream can be opened now."""
         if self.closed:
             raise StreamLimitError("the HTTP/2 connection has failed")
-        limit = self._peer_max_streams
+        limit = self.peer_max_streams
         if len(self.streams) >= limit:
             raise StreamLimitError(f"the peer allows {limit} concurrent streams, {len(self.streams)} are open")
         stream_id = self._next_stream_id
