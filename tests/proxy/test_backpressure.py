@@ -267,9 +267,9 @@ async def test_streams_to_apps_that_do_not_read_hold_one_connection_window(
         print(f"the late stream got {early / MiB:.2f} MiB while the window was held")
         assert received == [per_stream] * (STREAMS + 1), received
     finally:
-        for s in senders:
-            s.cancel()
-        for w, s in tunnels:
+        for task in senders:
+            task.cancel()
+        for w, sock in tunnels:
             w.close()
-            s.close()
+            sock.close()
         app.close()
