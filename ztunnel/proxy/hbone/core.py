@@ -399,7 +399,11 @@ class HboneConnection:
         # not), encrypts it straight from here when there is, and clears it (no bytes or bytearray made per call).
         self.out = bytearray()
         # Window updates are due once a quarter of a window is consumed (RFC 9113 §6.9: batched, not per frame).
-        self._conn_threshold = self.settings.connection_window >> 2
+        self._conn_threshold = self._conn_max >> 2
+        # A release is due at _conn_due released bytes: the quarter above, or half of what is left of the window when
+        # that is less (h2's rule: held bytes never leave the rest stuck behind the batching). Kept as one number so
+        # ack_data, once per chunk, compares once; lowered at the end of a parse that left the window below half.
+        self._conn_due = self._conn_threshold
         self._stream_threshold = self.settings.stream_window >> 2
         self.goaway_received: GoAwayReceived | None = None
         self.goaway_sent: int | None = None  # the last stream id we promised to process
@@ -576,17 +580,24 @@ class HboneConnection:
                 # Unknown types (and ALTSVC, ORIGIN, ...) are ignored (RFC 9113 §5.5), but cost us the parse.
                 self._spend("frames of unknown type")
         self._start = pos
-        released = self._conn_released
-        if released and (released >= self._conn_threshold or released + released >= self._conn_window):
+        if self._conn_window < self._conn_threshold << 1:
+            # Held bytes (slow apps) have most of the window: a smaller release is due (h2's rule).
+            self._conn_due = self._conn_window >> 1
+            if self._conn_released and self._conn_released >= self._conn_due:
+                self._release_connection(self._conn_released)
+        elif self._conn_released >= self._conn_threshold:
             # Bytes this parse dropped (padding, DATA on closed streams): nobody will acknowledge them.
-            self._release_connection(released)
+            self._release_connection(self._conn_released)
         return events
 
     def _release_connection(self, released: int) -> None:
         """Send the connection's released window (a WINDOW_UPDATE on stream 0)."""
         self.out += _WINDOW_UPDATE.pack(4 << 8 | WINDOW_UPDATE, 0, 0, released)
-        self._conn_window += released
+        window = self._conn_window + released
+        self._conn_window = window
         self._conn_released = 0
+        threshold = self._conn_threshold
+        self._conn_due = threshold if window >= threshold << 1 else window >> 1
 
     def _spend(self, what: str) -> None:
         if not self._control.spend():
@@ -1070,9 +1081,8 @@ class HboneConnection:
             else:
                 st.held = held
         released = self._conn_released + n
-        if released >= self._conn_threshold or released + released >= self._conn_window:
-            if released:
-                self._release_connection(released)
+        if released >= self._conn_due and released:
+            self._release_connection(released)
         else:
             self._conn_released = released
 
