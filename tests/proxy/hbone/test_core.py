@@ -480,3 +480,12 @@ def test_dropped_data_gives_the_connection_window_back_at_once() -> None:
     padded = DataFrame(sid2, b"p" * 100, flags={"PADDED"}, pad_length=200).serialize()
     assert data_of(s.receive_data(padded)) == b"p" * 100
     assert s.receive_held == 100  # the payload, held by its consumer; the pad length byte and padding released
+
+
+def test_a_connection_window_below_the_initial_one_acts_as_it() -> None:
+    """RFC 9113 §6.9.2: the connection window starts at 65,535 and no SETTINGS lowers it, so a configured window
+    below that is 65,535 (docs/configuration.md says so)."""
+    s = HboneConnection(False, Settings(connection_window=1000, max_concurrent_streams=200))
+    s.initiate()
+    assert not [f for f in frames(s.data_to_send()) if isinstance(f, WindowUpdateFrame)]
+    assert s.receive_window == 65_535
