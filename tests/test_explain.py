@@ -383,3 +383,32 @@ def test_double_hbone_through_a_network_gateway() -> None:
 def server_identity(doc: dict[str, Any]) -> str:
     server = next(w for w in doc["workloads"] if w["uid"] == SERVER)
     return f"spiffe://cluster.local/ns/{server['namespace']}/sa/{server['serviceAccount']}"
+
+
+@pytest.mark.parametrize("gateway", [False, True], ids=["hbone", "double-hbone"])
+def test_the_inbound_half_reads_the_route_not_the_report_strings(
+    gateway: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The destination's half takes the outbound half's decision as values (the workload, the address dialled, the
+    authority's port, the service): the report's ``next_hop``, ``authority`` and ``service`` strings are for
+    reading. Before, it parsed them back (``rpartition(":")``, ``split("/")``): a change of how an address is
+    written for the reader (here ``10.0.0.1 port 80``) broke the inbound half."""
+    doc = two_node_doc()
+    if gateway:
+        server = next(w for w in doc["workloads"] if w["uid"] == SERVER)
+        server["network"] = "other"
+        server["networkGateway"] = {"destination": "other/127.0.9.9", "hboneMtlsPort": 15008}
+        gw = server | {"uid": "gw", "name": "eastwest", "namespace": "istio-system", "workloadIps": ["127.0.9.9"]}
+        gw.pop("networkGateway")
+        gw["services"] = {}
+        doc["workloads"].append(gw)
+    dump = load_dump(doc, "test")
+    want = explain(dump, "default/client", "127.10.0.10:80")["inbound"]
+    assert want["applies"] and want["local_workload"]["uid"] == SERVER
+    monkeypatch.setattr("ztunnel.explain.format_addr", lambda host, port: f"{host} port {port}")
+    report = explain(dump, "default/client", "127.10.0.10:80")
+    assert report["outbound"]["next_hop"].endswith(" port 15008")  # the reader's text changed
+    got = report["inbound"]
+    assert got["connection"].pop("destination") == "127.0.2.1 port 8080"  # (written for the reader too)
+    want["connection"].pop("destination")
+    assert got == want  # the decision did not

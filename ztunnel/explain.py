@@ -241,29 +241,47 @@ def _workload_json(w: Workload) -> dict[str, Any]:
     }
 
 
-def _outbound(dump: Dump, source: Workload, src_ip: IPAddress, ip: IPAddress, port: int, seed: int) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """What the outbound half decided that the inbound half needs, as values: the report's strings (``next_hop``,
+    ``authority``, ``service``) are for reading, never parsed back."""
+
+    destination: Workload  # the workload the destination's ztunnel serves (behind the gateway for double HBONE)
+    next_hop: IPAddress  # the address dialled: the destination's, a waypoint's, or the network gateway's
+    port: int  # the CONNECT authority's port
+    service_hostname: str | None  # the service the source named (its `forwarded` header's host), if any
+    gateway: bool = False  # double HBONE: the authority is <service_hostname>:<port>, the source is the gateway
+
+
+def _outbound(
+    dump: Dump, source: Workload, src_ip: IPAddress, ip: IPAddress, port: int, seed: int
+) -> tuple[dict[str, Any], _Route | None]:
+    """The source's half: the report's ``outbound`` section, and for a connection that reaches a ztunnel (HBONE,
+    double HBONE) the route its inbound half takes."""
     rec = _Recorder()
     out: dict[str, Any] = {"source": _workload_json(source), "target": format_addr(ip, port), "steps": rec.steps}
     if ip.is_loopback and port in dump.illegal_ports:
         e = ProxyError("attempted recursive call to ourselves")
         out |= {"result": "refused", "error": str(e), "response_flag": e.flag.value}
-        return out
+        return out, None
     try:
         req = build_request(dump.state, source, src_ip, (ip, port), dump.network, random.Random(seed), trace=rec)
     except ProxyError as e:
         out |= {"result": "refused", "error": str(e), "response_flag": e.flag.value}
-        return out
+        return out, None
     dst = req.actual_destination_workload
     waypoint = _waypoint_of(req, rec.steps)
+    service = req.intended_destination_service
     if req.protocol is OutboundProtocol.DOUBLE_HBONE:
-        return out | _double_hbone(req, rec)
+        assert req.final_workload is not None and service is not None
+        gateway = _Route(req.final_workload, req.actual_destination[0], port, service.hostname, gateway=True)
+        return out | _double_hbone(req, rec), gateway
     if req.protocol is OutboundProtocol.HBONE:
         result = "hbone"
     elif dst is None:
         result = "passthrough"
     else:
         result = "tcp"
-    service = req.intended_destination_service
     out |= {
         "result": result,
         "protocol": req.protocol.value,
@@ -276,7 +294,12 @@ def _outbound(dump: Dump, source: Workload, src_ip: IPAddress, ip: IPAddress, po
         "expected_identities": [str(i) for i in req.upstream_sans] if result == "hbone" else [],
         "resolve_hostname": req.resolve_hostname,
     }
-    return out
+    route: _Route | None = None
+    if result == "hbone":
+        assert dst is not None and req.hbone_target is not None
+        hostname = service.hostname if service is not None else None
+        route = _Route(dst, req.actual_destination[0], req.hbone_target[1], hostname)
+    return out, route
 
 
 def _double_hbone(req: Request, rec: _Recorder) -> dict[str, Any]:
@@ -429,43 +452,41 @@ def _field_text(match: Match, name: str, conn: Connection) -> str:
     return f"{value} is not one of [{shown}]"
 
 
-def _inbound(dump: Dump, source: Workload, src_ip: IPAddress, outbound: Mapping[str, Any]) -> dict[str, Any]:
+def _inbound(
+    dump: Dump, source: Workload, src_ip: IPAddress, outbound: Mapping[str, Any], route: _Route | None
+) -> dict[str, Any]:
     result = outbound.get("result")
     if result == "refused":
         return {
             "applies": False,
             "reason": "the source's ztunnel refuses the connection: nothing reaches a destination",
         }
-    if result not in ("hbone", "double-hbone"):
+    if route is None:
         what = "the original destination" if result == "passthrough" else "a workload outside the mesh"
         return {
             "applies": False,
             "reason": f"plain TCP to {what}: no ztunnel receives it, so no policy of a ztunnel applies",
         }
-    dst_json = outbound["destination_workload"]
-    local = dump.state.workloads.find_uid(dst_json["uid"])
-    assert local is not None
+    local = route.destination
     # As the destination's ztunnel sees it: the IP dialled (the next hop; a waypoint's own address when the authority
     # names the service behind it), the port of the :authority.
     steps: list[str] = []
-    host, _, port_text = outbound["authority"].rpartition(":")
-    port = int(port_text)
-    if result == "double-hbone":
+    port = route.port
+    if route.gateway:
         # The gateway dials the destination's ztunnel with the inner CONNECT to <service hostname>:<port>: the source
         # is the gateway's address (not looked up, as x-forwarded-network names another network), the identity the
         # client's, the port the workload's target port for that service port.
-        src_ip = _ip(outbound["next_hop"].rpartition(":")[0]) or src_ip
+        assert route.service_hostname is not None
+        src_ip = route.next_hop
         dst_ip = local.workload_ips[0]
         try:
-            svc, target_port = hostname_target(dump.state, host, port, local)
+            svc, target_port = hostname_target(dump.state, route.service_hostname, port, local)
         except InboundRejected as e:
             return _inbound_refused(local, e)
         steps.append(f"through a network gateway: service port {port} is the workload's port {target_port}")
         port = target_port
     else:
-        dst_ip_or_none = _ip(outbound["next_hop"].rpartition(":")[0])
-        assert dst_ip_or_none is not None
-        dst_ip = dst_ip_or_none
+        dst_ip = route.next_hop
     try:
         mapped = upstream_port(local, port, dump.illegal_ports)
     except InboundRejected as e:
@@ -477,11 +498,10 @@ def _inbound(dump: Dump, source: Workload, src_ip: IPAddress, outbound: Mapping[
     report = _authorize(dump, local, conn, steps, hbone=True)
     # destination_service as the destination's ztunnel reports it (upstream's guess_inbound_service): among the
     # services that select the workload, the one the source named in its `forwarded` header's host.
-    named = outbound.get("service")
-    forwarded_host = named.split("/", 1)[1] if named else None
+    forwarded_host = route.service_hostname
     # A dump lists no workload's services (upstream's has none): those whose endpoints include it select it.
     selecting = services_of(dump.state, local) or [s for s in dump.state.services if local.uid in s.endpoints]
-    candidates = [svc] if result == "double-hbone" else selecting
+    candidates = [svc] if route.gateway else selecting
     guessed = guess_inbound_service(candidates, forwarded_host, port, local)
     report["destination_service"] = guessed.hostname if guessed is not None else None
     return report
@@ -592,8 +612,8 @@ def explain(dump: Dump, source_spec: str, target_spec: str, seed: int = 0) -> di
         out = _not_captured(source, src_ip, ip, port)
         inbound = _inbound_plaintext(dump, src_ip, ip, port)
     else:
-        out = _outbound(dump, source, src_ip, ip, port, seed)
-        inbound = _inbound(dump, source, src_ip, out)
+        out, route = _outbound(dump, source, src_ip, ip, port, seed)
+        inbound = _inbound(dump, source, src_ip, out, route)
     if hostname is not None:
         out["hostname"] = hostname
     if out["result"] == "refused":

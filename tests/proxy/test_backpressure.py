@@ -182,3 +182,96 @@ async def test_stalled_reader_bounds_what_ztunnel_holds(nodes: tuple[TwoNodeMesh
     assert got_sha.hexdigest() == sent_sha.hexdigest()
     writer.close()
     app.close()
+
+
+CONNECTION_WINDOW = 16 * MiB
+STREAMS = 8
+
+
+async def test_streams_to_apps_that_do_not_read_hold_one_connection_window(
+    nodes: tuple[TwoNodeMesh, Any, Any],
+) -> None:
+    """Eight tunnels on one pooled HBONE connection to apps that do not read. Node B stops releasing the
+    connection's window as well as each stream's (as upstream's h2 crate: capacity comes back when the bytes are
+    taken to the app), so what it buffers for the connection is one 16 MiB connection window plus a write high-water
+    mark per app socket, not eight 4 MiB stream windows (36 MiB before, when the connection window was released on
+    receipt; with 200 streams, 800 MiB). Once the apps read, every byte arrives, the tunnels' and those of a stream
+    opened while the window was held."""
+    m, _a, b = nodes
+    loop = asyncio.get_running_loop()
+    app = AppSocket(m.server_app)
+    # Small receive buffers on the app's side: the kernel takes less, so ztunnel's buffers fill sooner.
+    app.listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    # More than one tunnel's path takes before its sender stalls (kernel buffers on both sides, ~20 MiB at most
+    # here: once in a full run one of eight finished 24 MiB).
+    per_stream = 40 * MiB
+    block = os.urandom(MiB)
+    sent = [0] * (STREAMS + 1)
+    received = [0] * (STREAMS + 1)
+
+    async def tunnel() -> tuple[asyncio.StreamWriter, socket.socket]:
+        _reader, writer = await m.socks5()
+        conn, _ = await asyncio.wait_for(loop.sock_accept(app.listener), 10)
+        return writer, conn
+
+    async def send(i: int, writer: asyncio.StreamWriter) -> None:
+        while sent[i] < per_stream:
+            writer.write(block)
+            await writer.drain()
+            sent[i] += len(block)
+        writer.write_eof()
+
+    async def receive(i: int, sock: socket.socket) -> None:
+        while data := await loop.sock_recv(sock, MiB):
+            received[i] += len(data)
+
+    def conn_b() -> HboneTransport:
+        (conn,) = b.proxy.inbound.connections  # one pooled connection carries every tunnel
+        return conn  # type: ignore[no-any-return]
+
+    tunnels = [await tunnel() for _ in range(STREAMS)]
+    senders = [asyncio.ensure_future(send(i, w)) for i, (w, _) in enumerate(tunnels)]  # noqa: TID251
+    try:
+        last, still_since, deadline = -1, time.monotonic(), time.monotonic() + 60
+        peak = peak_core = 0
+        while time.monotonic() - still_since < 1.0:
+            assert time.monotonic() < deadline, f"senders never stalled ({sum(sent)} bytes accepted)"
+            peak = max(peak, held(list(b.proxy.inbound.connections)))
+            peak_core = max(peak_core, conn_b().core.receive_held)
+            if sum(sent) != last:
+                last, still_since = sum(sent), time.monotonic()
+            await asyncio.sleep(0.02)
+        assert sum(sent) < STREAMS * per_stream, sent  # held back, not finished
+        conn = conn_b()
+        assert len(conn.streams) == STREAMS
+        now = held([conn])
+        report = (
+            f"{STREAMS} stalled tunnels: senders stuck at {sum(sent) / MiB:.0f} MiB; node B holds {now / MiB:.2f} MiB "
+            f"(peak {peak / MiB:.2f}), unreleased connection window {conn.core.receive_held / MiB:.2f} MiB (peak "
+            f"{peak_core / MiB:.2f}), window left {conn.core.receive_window / MiB:.2f} MiB"
+        )
+        print(report)
+        bound = CONNECTION_WINDOW + STREAMS * (PLAIN_HIGH_WATER + 128 * 1024) + MiB
+        assert peak_core <= CONNECTION_WINDOW, report
+        assert peak <= bound, report
+        assert now <= bound, report
+
+        # A stream opened now, while the stalled ones hold the connection's window, and its app reading at once.
+        writer, sock = await tunnel()
+        tunnels.append((writer, sock))
+        senders.append(asyncio.ensure_future(send(STREAMS, writer)))  # noqa: TID251
+        readers = [asyncio.ensure_future(receive(STREAMS, sock))]  # noqa: TID251
+        await asyncio.sleep(0.5)
+        early = received[STREAMS]
+        # Then the stalled apps read: their window comes back and everything arrives.
+        readers += [asyncio.ensure_future(receive(i, s)) for i, (_, s) in enumerate(tunnels[:STREAMS])]  # noqa: TID251
+        await asyncio.wait_for(asyncio.gather(*senders, *readers), 120)
+        print(f"the late stream got {early / MiB:.2f} MiB while the window was held")
+        assert received == [per_stream] * (STREAMS + 1), received
+    finally:
+        for task in senders:
+            task.cancel()
+        for w, sock in tunnels:
+            w.close()
+            sock.close()
+        app.close()

@@ -161,11 +161,23 @@ def test_no_coroutine_layers_around_the_outbound_path_or_the_app_connect(counts:
     coroutines around that wait. Before: ``Socks5.connect`` 2, ``connect_plain`` 2, ``_hbone`` 2 and
     ``_established`` 2 (a coroutine counts its start and each resumption)."""
     assert _calls(counts, "ztunnel/proxy/socks5.py", "connect") == 0, counts
-    assert _calls(counts, "ztunnel/proxy/connect.py", "connect_plain") == 0, counts
+    # connect_plain is a plain call now (it picks the way and returns that coroutine): once, not a coroutine's 2.
+    assert _calls(counts, "ztunnel/proxy/connect.py", "connect_plain") <= 1, counts
     # The pooled CONNECT awaited and its answer checked in _open_outer itself (no _hbone, no _established: 4).
     assert _calls(counts, "ztunnel/proxy/outbound.py", "_established") == 0, counts
     assert _calls(counts, "ztunnel/proxy/outbound.py", "_hbone") == 0, counts
     assert _calls(counts, "ztunnel/proxy/outbound.py", "proxy_to") >= 1, counts  # anchor: the path ran
+
+
+def test_the_app_connect_is_chosen_in_one_place(counts: Counts) -> None:
+    """Node B's app connect (``connect_interruptible``) goes through ``connect_plain``, the one body that chooses the
+    event loop's connect or a socket of ours, as outbound's passthrough connect does; before, it repeated that
+    choice itself to avoid ``connect_plain``'s coroutine (0 calls of it). Now ``connect_plain`` is a plain call
+    returning the chosen coroutine: 1 call, no coroutine layer, and the choice made once (``_loop_local_addr``)."""
+    assert counts.get(("ztunnel/proxy/connect.py:connect_plain", "ztunnel/proxy/connect.py"), 0) == pytest.approx(1.0)
+    assert _calls(counts, "ztunnel/proxy/connect.py", "connect_plain") == pytest.approx(1.0), counts
+    assert _calls(counts, "ztunnel/proxy/connect.py", "_loop_local_addr") == pytest.approx(1.0), counts
+    assert _calls(counts, "ztunnel/proxy/connect.py", "_socket_connect") == 0, counts  # the loop's connect ran
 
 
 def test_routing_helpers_without_comprehensions_or_version_properties(counts: Counts) -> None:

@@ -9,9 +9,9 @@ connect is still in flight, because their connection is already tracked by then.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from ipaddress import ip_address
-from typing import Literal
+from typing import Any, Literal
 
 from ztunnel.errors import ZtunnelError
 from ztunnel.net import format_addr
@@ -36,20 +36,37 @@ from ztunnel.tasks import running_loop
 INTERRUPTED = "connection to the app interrupted"
 
 
-async def connect_plain(
+def connect_plain(
     sockets: SocketFactory,
     dst: tuple[IPAddress, int],
     bind_src: IPAddress | None = None,
     transparent: bool = False,
     interrupt: Interrupt | None = None,
-) -> PlainConnection:
-    """A plaintext TCP connection to ``dst`` (10 s timeout), optionally from a spoofed source IP. ``interrupt``
-    (:func:`connect_interruptible`) can end the attempt early: then :class:`Interrupted`."""
-    loop = running_loop()
+) -> Coroutine[Any, Any, PlainConnection]:
+    """A plaintext TCP connection to ``dst`` (10 s timeout), optionally from a spoofed source IP: await it.
+    ``interrupt`` (:func:`connect_interruptible`) can end the attempt early: then :class:`Interrupted`.
+
+    The one place that chooses how to connect: the event loop's connect when no socket option must precede it
+    (:func:`_loop_connect`), else a socket of ours with its options (:func:`_socket_connect`). A plain function
+    that returns the chosen coroutine, so the caller awaits that one coroutine and no second one around it (a
+    coroutine object, a frame and two resumptions per connection)."""
     if sockets.loop_may_connect():
         local = _loop_local_addr(sockets, bind_src, transparent)
         if local is not False:
-            return await _loop_connect(loop, sockets, dst, local, interrupt)
+            return _loop_connect(running_loop(), sockets, dst, local, interrupt)
+    return _socket_connect(sockets, dst, bind_src, transparent, interrupt)
+
+
+async def _socket_connect(
+    sockets: SocketFactory,
+    dst: tuple[IPAddress, int],
+    bind_src: IPAddress | None,
+    transparent: bool,
+    interrupt: Interrupt | None,
+) -> PlainConnection:
+    """:func:`connect_plain` with a socket of ours: options set before the bind (IP_TRANSPARENT, IP_FREEBIND,
+    IP_BIND_ADDRESS_NO_PORT, a source IP), then a connect the loop waits on."""
+    loop = running_loop()
     try:
         sock = sockets.tcp(family_of(dst[0]), bind_source=bind_src is None)
     except OSError as e:  # EMFILE above all: a clear failure for this connection, not a crashed task
@@ -200,15 +217,7 @@ async def connect_interruptible(
     interrupt = Interrupt()
     record.closer = interrupt
     try:
-        # connect_plain's choice made here, so the usual connect (by the event loop) runs without connect_plain's
-        # coroutine around it (a coroutine object, a frame and two resumptions per inbound connection).
-        local = _loop_local_addr(sockets, bind_src, transparent) if sockets.loop_may_connect() else False
-        if local is not False:
-            upstream = await _loop_connect(running_loop(), sockets, dst, local, interrupt)
-        else:
-            upstream = await connect_plain(
-                sockets, dst, bind_src=bind_src, transparent=transparent, interrupt=interrupt
-            )
+        upstream = await connect_plain(sockets, dst, bind_src, transparent, interrupt)
     except Interrupted:
         pass  # it closed its socket
     finally:

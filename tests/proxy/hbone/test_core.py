@@ -178,9 +178,17 @@ def test_window_updates_are_batched_and_released_by_consumer() -> None:
     wus = [f for f in frames(s.data_to_send()) if isinstance(f, WindowUpdateFrame)]
     assert {f.stream_id for f in wus} == {sid}
     assert sum(f.window_increment for f in wus) == 3 * 1024 * 1024
-    # Unacknowledged data holds the stream window back (a slow reader): nothing is released.
-    s.receive_data(send(c, sid, chunk * 2))
-    assert [f.stream_id for f in frames(s.data_to_send()) if isinstance(f, WindowUpdateFrame)] == [0]
+    # Unacknowledged data holds the stream window and the connection's back (a slow reader): nothing is released,
+    # though the connection's quarter has now been taken off it (the client, which has not seen the updates, sends
+    # the last 1 MiB of its window: 4 MiB in all). Before, the connection's window was released on receipt, so 200
+    # slow streams could buffer 200 stream windows.
+    ev = s.receive_data(send(c, sid, chunk * 2))
+    assert sum(e.flow_controlled_length for e in ev if isinstance(e, DataReceived)) == 1024 * 1024
+    assert [f.stream_id for f in frames(s.data_to_send()) if isinstance(f, WindowUpdateFrame)] == []
+    # Once the consumer has passed it on, both come back: the stream's quarter and the connection's 4 MiB.
+    s.ack_data(sid, 1024 * 1024)
+    wus = [f for f in frames(s.data_to_send()) if isinstance(f, WindowUpdateFrame)]
+    assert sorted((f.stream_id, f.window_increment) for f in wus) == [(0, 4 * 1024 * 1024), (sid, 1024 * 1024)]
 
 
 def test_flow_control_violation_resets_the_stream() -> None:
@@ -365,3 +373,119 @@ def test_a_run_of_connection_window_updates_is_one_event() -> None:
     updates = b"".join(WindowUpdateFrame(0, window_increment=1).serialize() for _ in range(1000))
     events = c.receive_data(updates)
     assert [e for e in events if isinstance(e, WindowOpened)] == [WindowOpened(0)]
+
+
+# -- the connection's receive window (as upstream's h2 crate: released when the consumer passes bytes on) ----------
+
+MiB = 1024 * 1024
+
+
+def _open(c: HboneConnection, s: HboneConnection) -> int:
+    sid = c.send_connect("10.0.0.1:8080")
+    pump(c, s)
+    s.send_response(sid, 200)
+    pump(s, c)
+    return sid
+
+
+def _raw_data(sid: int, nbytes: int, *flags: str) -> bytes:
+    """DATA frames of ``nbytes`` in all, built by hyperframe (a peer that keeps no flow control of its own)."""
+    out = b""
+    while nbytes > 0:
+        n = min(nbytes, 1 * MiB)
+        nbytes -= n
+        out += DataFrame(sid, b"d" * n, flags=set(flags) if nbytes <= 0 else set()).serialize()
+    return out
+
+
+def _connection_updates(s: HboneConnection) -> list[int]:
+    return [
+        f.window_increment for f in frames(s.data_to_send()) if isinstance(f, WindowUpdateFrame) and not f.stream_id
+    ]
+
+
+def test_data_past_the_connection_window_is_a_connection_error() -> None:
+    """Four streams hold their 4 MiB stream windows unreleased (apps that do not read): the 16 MiB connection window
+    is used up, and one byte more on a fifth stream, within its own window, ends the connection with GOAWAY
+    FLOW_CONTROL_ERROR (RFC 9113 §6.9.1). Before, the connection window was released on receipt: five, or 200,
+    streams could each buffer a stream window."""
+    c, s, first = connected()
+    sids = [first] + [_open(c, s) for _ in range(4)]
+    for sid in sids[:4]:
+        assert len(data_of(s.receive_data(_raw_data(sid, 4 * MiB)))) == 4 * MiB
+    assert (s.receive_window, s.receive_held) == (0, 16 * MiB)
+    assert _connection_updates(s) == []  # nothing released: the consumers still hold it all
+    with pytest.raises(HboneProtocolError) as e:
+        s.receive_data(_raw_data(sids[4], 1))
+    assert e.value.code is ErrorCode.FLOW_CONTROL_ERROR
+    assert "past the connection's receive window" in str(e.value)
+    (goaway,) = [f for f in frames(s.data_to_send()) if isinstance(f, GoAwayFrame)]
+    assert goaway.error_code == ErrorCode.FLOW_CONTROL_ERROR
+
+
+def test_a_slow_stream_gets_its_bytes_and_the_others_proceed_once_it_releases_them() -> None:
+    """Three streams hold 12 MiB; a fourth takes the last 4 MiB and passes it on at once. Its 4 MiB is due at the
+    quarter-window batch; then, with the window nearly used up by the held streams, even a smaller release is sent
+    at once (h2's rule: half of what remains), so the active stream is never stuck behind the batching. When the
+    held streams' apps read, their 12 MiB comes back."""
+    c, s, first = connected()
+    sids = [first] + [_open(c, s) for _ in range(3)]
+    for sid in sids[:3]:
+        s.receive_data(_raw_data(sid, 4 * MiB))
+    got = data_of(s.receive_data(_raw_data(sids[3], 3 * MiB)))
+    assert len(got) == 3 * MiB  # delivered whatever the others hold
+    assert s.receive_window == 1 * MiB
+    s.ack_data(sids[3], 3 * MiB)  # 3 MiB released, under the 4 MiB batch but over half of the 1 MiB left
+    assert _connection_updates(s) == [3 * MiB]
+    assert s.receive_window == 4 * MiB
+    for sid in sids[:3]:
+        s.ack_data(sid, 4 * MiB)
+    assert sum(_connection_updates(s)) == 12 * MiB
+    assert (s.receive_window, s.receive_held) == (16 * MiB, 0)
+
+
+@pytest.mark.parametrize("how", ["reset by the peer", "reset by us", "ended both ways"])
+def test_a_stream_closed_with_unreleased_bytes_gives_them_back(how: str) -> None:
+    """A stream that closes while its consumer still holds bytes (its app was slow): the consumer acknowledges them
+    once it drops them, after the core has forgotten the stream, and the connection gets its window back (else
+    every such stream would shrink it for good, and the connection would starve)."""
+    _c, s, sid = connected()
+    s.receive_data(_raw_data(sid, 4 * MiB, *(["END_STREAM"] if how == "ended both ways" else [])))
+    assert s.receive_held == 4 * MiB
+    if how == "reset by the peer":
+        s.receive_data(RstStreamFrame(sid, error_code=ErrorCode.CANCEL).serialize())
+    elif how == "reset by us":
+        s.reset_stream(sid, ErrorCode.CONNECT_ERROR)
+    else:
+        s.end_stream(sid)
+    assert sid not in s.streams
+    s.data_to_send()
+    s.ack_data(sid, 4 * MiB)
+    assert _connection_updates(s) == [4 * MiB]
+    assert (s.receive_window, s.receive_held) == (16 * MiB, 0)
+    # A consumer that acknowledges too much cannot widen the window past what was advertised.
+    s.ack_data(sid, 1 * MiB)
+    assert _connection_updates(s) == [] and s.receive_window == 16 * MiB
+
+
+def test_dropped_data_gives_the_connection_window_back_at_once() -> None:
+    """DATA nobody will consume (on a stream we reset, its padding) is released by the core itself."""
+    c, s, sid = connected()
+    s.reset_stream(sid, ErrorCode.CANCEL)
+    s.data_to_send()
+    s.receive_data(_raw_data(sid, 8 * MiB))
+    assert sum(_connection_updates(s)) == 8 * MiB
+    assert (s.receive_window, s.receive_held) == (16 * MiB, 0)
+    sid2 = _open(c, s)
+    padded = DataFrame(sid2, b"p" * 100, flags={"PADDED"}, pad_length=200).serialize()
+    assert data_of(s.receive_data(padded)) == b"p" * 100
+    assert s.receive_held == 100  # the payload, held by its consumer; the pad length byte and padding released
+
+
+def test_a_connection_window_below_the_initial_one_acts_as_it() -> None:
+    """RFC 9113 §6.9.2: the connection window starts at 65,535 and no SETTINGS lowers it, so a configured window
+    below that is 65,535 (docs/configuration.md says so)."""
+    s = HboneConnection(False, Settings(connection_window=1000, max_concurrent_streams=200))
+    s.initiate()
+    assert not [f for f in frames(s.data_to_send()) if isinstance(f, WindowUpdateFrame)]
+    assert s.receive_window == 65_535

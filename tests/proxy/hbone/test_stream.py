@@ -17,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from hyperframe.frame import SettingsFrame
 
 from ztunnel import tls
 from ztunnel.identity.ca import LocalCA
@@ -191,6 +192,49 @@ async def test_end_half_closes_only_our_side(pair: Pair) -> None:
     server_w.write(b"still open this way")
     assert await asyncio.wait_for(client_r.readexactly(19), 5) == b"still open this way"
     assert not stream.done
+
+
+async def test_a_stream_reset_while_its_app_is_slow_gives_the_connection_window_back(pair: Pair) -> None:
+    """The server's app does not read: its stream stops releasing window (the stream's and the connection's) and
+    holds the bytes. The client resets the stream: what it held goes back to the connection, or the connection's
+    16 MiB window would shrink by that much for good (four such streams and it stalls)."""
+    stream, server, theirs = await pair.request()
+    server.respond(theirs, 200)
+    assert stream.response is not None
+    await asyncio.wait_for(stream.response, 5)
+    _, client_w = await pair.app_side(stream)
+    await pair.app_side(theirs)  # never read
+    client_w.write(b"s" * (32 << 20))
+    await eventually(lambda: server.core.receive_held > (1 << 20), 20)
+    assert theirs._held > 0
+    stream.reset(ErrorCode.CANCEL)
+    await eventually(lambda: theirs.done)
+    assert server.core.receive_held == 0  # all 16 MiB of the connection's window back (sent, or due in a batch)
+
+
+async def test_a_refused_stream_gives_back_what_arrived_before_the_refusal(pair: Pair) -> None:
+    """Bytes that arrive on a stream before its CONNECT is answered wait in the stream (bounded by its window); a
+    refusal drops them and gives the connection its window back."""
+    stream, server, theirs = await pair.request()
+    _, client_w = await pair.app_side(stream)  # the client sends before the answer (a peer may)
+    client_w.write(b"e" * 100_000)
+    await eventually(lambda: server.core.receive_held == 100_000)
+    server.reject(theirs, 503)
+    assert server.core.receive_held == 0
+
+
+async def test_the_peers_stream_limit_has_one_owner(pair: Pair) -> None:
+    """The peer's SETTINGS_MAX_CONCURRENT_STREAMS is kept by the HTTP/2 core alone, which enforces it; the
+    transport's checkout (``open_stream_within``) reads it there. With a copy of its own, updated only when the
+    SETTINGS event was dispatched, the transport let a stream through that the core then refused with
+    StreamLimitError (here: a SETTINGS the core has applied and the transport has not seen)."""
+    first = pair.client.open_stream_within(100, "10.0.0.2:8080")
+    assert first is not None
+    pair.client.core.receive_data(SettingsFrame(0, settings={SettingsFrame.MAX_CONCURRENT_STREAMS: 1}).serialize())
+    assert pair.client.peer_max_streams == 1
+    assert pair.client.open_stream_within(100, "10.0.0.2:8080") is None  # full, not StreamLimitError
+    pair.client.core.receive_data(SettingsFrame(0, settings={SettingsFrame.MAX_CONCURRENT_STREAMS: 5}).serialize())
+    assert pair.client.open_stream_within(100, "10.0.0.2:8080") is not None
 
 
 # -- the boundary ------------------------------------------------------------------------------------------------

@@ -108,10 +108,11 @@ class Subject:
 
 
 class Ours(Subject):
-    def __init__(self, client: bool, settings: Settings) -> None:
+    def __init__(self, client: bool, settings: Settings, ack: bool = True) -> None:
         super().__init__()
         self.core = HboneConnection(client, settings)
         self.core.initiate()
+        self.ack = ack
 
     def receive(self, data: bytes) -> None:
         try:
@@ -128,7 +129,8 @@ class Ours(Subject):
                 self.events.append(("response", ev.stream_id, ev.status, sorted(ev.headers.items())))
             elif type(ev) is DataReceived:
                 self.events.append(("data", ev.stream_id, bytes(ev.data)))
-                self.core.ack_data(ev.stream_id, len(ev.data))
+                if self.ack:
+                    self.core.ack_data(ev.stream_id, len(ev.data))
             elif type(ev) is StreamEnded:
                 self.events.append(("ended", ev.stream_id))
             elif type(ev) is StreamReset:
@@ -335,11 +337,17 @@ class Case:
     differs: tuple[str, Callable[[Subject], bool]] | None = None
     settings: Settings | None = None
     preface: bytes = PREFACE  # what a client peer sends first (server role)
+    ack: bool = True  # this core's consumer releases what it receives at once (h2's never does)
 
 
 OPEN = [headers(1, CONNECT + UPSTREAM), respond(1)]  # server: stream 1 open both ways
 ENDED = [*OPEN, frames(data(1, b"", "END_STREAM")), end(1)]  # server: stream 1 closed by END_STREAM both ways
 ASKED = [connect(), frames(SettingsFrame(0))]  # client: stream 1 opened
+
+
+_SMALL_CONNECTION_WINDOW = Settings(
+    stream_window=100_000, connection_window=65_535, max_concurrent_streams=200, max_header_list_size=64 * 1024
+)
 
 
 def _stream_error(sid: int, code: int) -> Callable[[Subject], bool]:
@@ -401,6 +409,22 @@ CASES: dict[str, Case] = {
         [*OPEN, frames(data(1, b"x" * 60), data(1, b"y" * 60))],
         settings=Settings(stream_window=100, max_concurrent_streams=200, max_header_list_size=64 * 1024),
         differs=("a stream error FLOW_CONTROL_ERROR (RFC 9113 §6.9); h2 ends the connection", _stream_error(1, 3)),
+    ),
+    # The connection's window (65,535 here: no WINDOW_UPDATE raises it) shared by two streams, each within its own
+    # window, and a consumer that releases nothing (as h2's user here): the frame that crosses it is a connection
+    # error FLOW_CONTROL_ERROR (RFC 9113 §6.9.1), as in h2. Before, this core released the connection's window on
+    # receipt and never checked it. Frames of 16,375 bytes: one receive buffer each, so one event each, as h2's.
+    "server: DATA past the connection window": Case(
+        False,
+        [*OPEN, headers(3, CONNECT), respond(3), *[frames(data(1, b"x" * 16_375))] * 4, frames(data(3, b"y" * 100))],
+        settings=_SMALL_CONNECTION_WINDOW,
+        ack=False,
+    ),
+    "server: DATA up to the connection window": Case(
+        False,
+        [*OPEN, headers(3, CONNECT), respond(3), *[frames(data(1, b"x" * 16_375))] * 4, frames(data(3, b"y" * 35))],
+        settings=_SMALL_CONNECTION_WINDOW,
+        ack=False,
     ),
     "server: RST_STREAM on an open stream": Case(False, [*OPEN, frames(RstStreamFrame(1, error_code=2))]),
     "server: RST_STREAM twice": Case(
@@ -596,7 +620,7 @@ def _play(subject: Subject, case: Case) -> Subject:
 
 def _subjects(case: Case) -> tuple[Subject, Subject]:
     settings = case.settings or (CLIENT_SETTINGS if case.client else SERVER_SETTINGS)
-    ours: Subject = Ours(case.client, settings)
+    ours: Subject = Ours(case.client, settings, case.ack)
     oracle: Subject = Oracle(case.client, settings)
     if not case.client:
         # A server reads the client preface first.

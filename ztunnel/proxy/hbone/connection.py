@@ -44,7 +44,6 @@ from ztunnel.proxy.hbone.core import (
     HboneConnection,
     HboneProtocolError,
     PingAcked,
-    RemoteSettingsChanged,
     RequestRefused,
     Settings,
     StreamEnded,
@@ -148,7 +147,6 @@ class HboneTransport(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop  # the loop that made the connection (connection_made)
         self._ping_sent_at: float | None = None
-        self.max_concurrent_streams: int | None = None
         self._turn = 0  # rotation point of _in_turn
 
     # -- asyncio protocol --------------------------------------------------------------------------------------
@@ -401,8 +399,6 @@ class HboneTransport(asyncio.BufferedProtocol):
                     streams.pop(sid).on_reset(ErrorCode.REFUSED_STREAM)
                 if not streams:
                     self.close(CloseReason(CloseKind.GOAWAY, "peer sent GOAWAY"))
-            elif type(ev) is RemoteSettingsChanged and ev.max_concurrent_streams is not None:
-                self.max_concurrent_streams = ev.max_concurrent_streams
             elif type(ev) is RequestRefused:
                 log.warning(
                     "refused a malformed request from %s on stream %d with RST_STREAM PROTOCOL_ERROR: %s",
@@ -488,11 +484,9 @@ class HboneTransport(asyncio.BufferedProtocol):
         ``None``. The pool's checkout: the checks and the open in one call per new connection."""
         if self.closed or self.draining or self.core.goaway_received is not None:
             return None
-        peer_limit = self.max_concurrent_streams
-        if peer_limit is not None and peer_limit < limit:
-            limit = peer_limit
         streams = self.streams
-        if len(streams) >= limit:
+        # The peer's limit is the core's (the one copy; send_connect enforces it), read here, not kept here.
+        if len(streams) >= limit or len(streams) >= self.core.peer_max_streams:
             return None
         # open_stream's body (a call fewer per connection; the same CONNECT). No last_active here: the reaper
         # closes only connections without streams, and detach() stamps it when the last one finishes.
@@ -513,8 +507,14 @@ class HboneTransport(asyncio.BufferedProtocol):
         if stream.done or self.closed:
             return
         self.core.send_response(stream.stream_id, status, end_stream=True)
+        stream.give_back()  # bytes that arrived before the refusal: the connection's window back
         self.detach(stream.stream_id)
         self.flush()
+
+    @property
+    def peer_max_streams(self) -> int:
+        """The peer's SETTINGS_MAX_CONCURRENT_STREAMS (2^31 until it sends one): the HTTP/2 core's, read through."""
+        return self.core.peer_max_streams
 
     @property
     def stream_count(self) -> int:

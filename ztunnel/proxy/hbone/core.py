@@ -27,11 +27,18 @@ receive buffer: valid until the next ``get_buffer``; a consumer that keeps it (a
 all) calls :meth:`HboneConnection.pin` and the next read goes to a fresh buffer. Other frames are handled whole, in
 wire order.
 
-Flow control: the connection window is released as soon as bytes are taken off the connection (the consumer has
-them), so one slow stream cannot stall the others; a stream's window is released by the consumer
-(:meth:`ack_data`) once the bytes have left, so a slow reader holds back at most its 4 MiB stream window. Window
-updates are batched (queued once a quarter of the window is consumed: the connection's at the end of the parse,
-a stream's in :meth:`ack_data`) so small request/response traffic costs no extra frames.
+Flow control, as upstream's h2 crate (ztunnel's ``h2.rs`` releases capacity when it takes bytes off a stream): a
+stream's window and the connection's are both released by the consumer (:meth:`ack_data`) once the bytes have left
+(written to the app), so a slow reader holds back at most its 4 MiB stream window, and all the streams of a
+connection together at most the 16 MiB connection window (``HTTP2_CONNECTION_WINDOW_SIZE``; upstream sets it to 4
+stream windows so that one stalled stream cannot starve the others). A DATA frame past the connection window is a
+connection error FLOW_CONTROL_ERROR (GOAWAY); past a stream's window, a stream error. Bytes that are not delivered
+(padding, DATA on a closed stream or one we reset for a stream error) are released at once; a consumer that drops
+a stream with bytes it had not passed on acknowledges them all the same (``ack_data`` of a closed stream gives the
+connection its share back). Window updates are batched: a stream's once a quarter of its window is released; the
+connection's once a quarter of its window is released, or half of what remains of it (h2's rule: when stalled
+streams hold most of the window, the rest is not held back by the batching), so small request/response traffic
+costs no extra frames.
 
 Sending: :meth:`frame_data` writes the 9-byte DATA header into the caller's buffer just before the payload, so
 header and payload reach TLS as one contiguous write (one record, no copy). Anything queued (SETTINGS and PING
@@ -360,7 +367,9 @@ class HboneConnection:
         # What the peer's SETTINGS said, RFC 9113's defaults until they come.
         self._peer_initial_window = _DEFAULT_WINDOW
         self._peer_max_frame = _DEFAULT_FRAME_SIZE
-        self._peer_max_streams = 2**31  # unlimited until the peer says otherwise
+        # The peer's SETTINGS_MAX_CONCURRENT_STREAMS, unlimited until it says otherwise: kept here only (send_connect
+        # enforces it, the transport's open_stream_within and the pool read it from here).
+        self.peer_max_streams = 2**31
         self._send_window = _DEFAULT_WINDOW  # the connection's, towards the peer
         self.streams: dict[int, _Stream] = {}
         # Allocated at the first receive: a connection still in its TLS handshake (or stalled there) costs none.
@@ -379,13 +388,22 @@ class HboneConnection:
         self._data_padding = 0
         self._data_end_stream = False
         self._pad_length_pending = False
-        self._conn_unacked = 0
+        # The connection's receive window: what the peer may still send (we raise it to the configured size at once,
+        # initiate; a window below RFC 9113's initial 65,535 cannot be advertised). Taken by every DATA frame, given
+        # back by _conn_released once a batch of it is due (ack_data).
+        self._conn_max = max(self.settings.connection_window, _DEFAULT_WINDOW)
+        self._conn_window = self._conn_max
+        self._conn_released = 0  # consumed and released, not yet sent as WINDOW_UPDATE
         # Frames queued for the wire (control frames, HEADERS, window updates), in the order they were made. Public
         # so the I/O layer looks at it without a call: per chunk the pump asks "anything queued?" (almost always
         # not), encrypts it straight from here when there is, and clears it (no bytes or bytearray made per call).
         self.out = bytearray()
         # Window updates are due once a quarter of a window is consumed (RFC 9113 §6.9: batched, not per frame).
-        self._conn_threshold = self.settings.connection_window >> 2
+        self._conn_threshold = self._conn_max >> 2
+        # A release is due at _conn_due released bytes: the quarter above, or half of what is left of the window when
+        # that is less (h2's rule: held bytes never leave the rest stuck behind the batching). Kept as one number so
+        # ack_data, once per chunk, compares once; lowered at the end of a parse that left the window below half.
+        self._conn_due = self._conn_threshold
         self._stream_threshold = self.settings.stream_window >> 2
         self.goaway_received: GoAwayReceived | None = None
         self.goaway_sent: int | None = None  # the last stream id we promised to process
@@ -513,12 +531,13 @@ class HboneConnection:
                         st is not None
                         and not st.remote_closed
                         and length <= st.recv_window
+                        and length <= self._conn_window
                         and (st.responded or not client_side)
                     ):
                         pos = start + length
                         st.recv_window -= length
                         st.unacked += length
-                        self._conn_unacked += length
+                        self._conn_window -= length
                         events.append(_new_tuple(DataReceived, (stream_id, view[start:pos], length)))
                         if flags & FLAG_END_STREAM:
                             self._remote_closed(stream_id)
@@ -561,12 +580,24 @@ class HboneConnection:
                 # Unknown types (and ALTSVC, ORIGIN, ...) are ignored (RFC 9113 §5.5), but cost us the parse.
                 self._spend("frames of unknown type")
         self._start = pos
-        if self._conn_unacked >= self._conn_threshold:
-            # The connection's window: released as soon as the bytes are taken off the connection (see the module
-            # docstring), so queued here, at the end of the parse that took them.
-            self.out += _WINDOW_UPDATE.pack(4 << 8 | WINDOW_UPDATE, 0, 0, self._conn_unacked)
-            self._conn_unacked = 0
+        if self._conn_window < self._conn_threshold << 1:
+            # Held bytes (slow apps) have most of the window: a smaller release is due (h2's rule).
+            self._conn_due = self._conn_window >> 1
+            if self._conn_released and self._conn_released >= self._conn_due:
+                self._release_connection(self._conn_released)
+        elif self._conn_released >= self._conn_threshold:
+            # Bytes this parse dropped (padding, DATA on closed streams): nobody will acknowledge them.
+            self._release_connection(self._conn_released)
         return events
+
+    def _release_connection(self, released: int) -> None:
+        """Send the connection's released window (a WINDOW_UPDATE on stream 0)."""
+        self.out += _WINDOW_UPDATE.pack(4 << 8 | WINDOW_UPDATE, 0, 0, released)
+        window = self._conn_window + released
+        self._conn_window = window
+        self._conn_released = 0
+        threshold = self._conn_threshold
+        self._conn_due = threshold if window >= threshold << 1 else window >> 1
 
     def _spend(self, what: str) -> None:
         if not self._control.spend():
@@ -850,7 +881,7 @@ class HboneConnection:
             elif ident == _MAX_FRAME_SIZE:
                 self._peer_max_frame = value
             elif ident == _MAX_CONCURRENT_STREAMS:
-                self._peer_max_streams = max_streams = value
+                self.peer_max_streams = max_streams = value
             elif ident == _HEADER_TABLE_SIZE:
                 self._header_table_size_changed(value)
             # SETTINGS_MAX_HEADER_LIST_SIZE is advisory (our blocks are a few hundred bytes); others are unknown.
@@ -928,6 +959,15 @@ class HboneConnection:
         self.out += _RST_STREAM.pack(4 << 8 | RST_STREAM, 0, stream_id, code)
 
     def _start_data(self, events: list[Event], pos: int, length: int, flags: int, stream_id: int) -> int:
+        if length > self._conn_window:
+            # RFC 9113 §6.9.1: the sender broke the connection's flow control, a connection error (as h2 and the
+            # Rust h2 crate): what it sent past the window would be buffered on no one's account.
+            self._fail(
+                f"DATA of {length} bytes on stream {stream_id} past the connection's receive window "
+                f"({self._conn_window} bytes left of {self._conn_max})",
+                ErrorCode.FLOW_CONTROL_ERROR,
+            )
+        self._conn_window -= length
         st = self.streams.get(stream_id)
         if st is None:
             if not stream_id:
@@ -945,6 +985,7 @@ class HboneConnection:
             else:
                 self._spend("DATA frames on closed streams")
                 self.out += _RST_STREAM.pack(4 << 8 | RST_STREAM, 0, stream_id, ErrorCode.STREAM_CLOSED)
+            self._conn_released += length  # dropped: nobody holds it
         elif st.remote_closed or length > st.recv_window or (self.client_side and not st.responded):
             # DATA after END_STREAM (RFC 9113 §5.1), beyond the window (§6.9), or before the response (§8.1.1: a
             # malformed response): a stream error. The payload is still read off the connection (and counted
@@ -957,12 +998,12 @@ class HboneConnection:
             else:
                 code = ErrorCode.PROTOCOL_ERROR
             events.append(self._reset(stream_id, code))
+            self._conn_released += length  # dropped: nobody holds it
             st = None
         else:
             if length == 0 and not flags & FLAG_END_STREAM:
                 self._spend("empty DATA frames")
             st.recv_window -= length  # flow control counts the whole payload, padding included
-        self._conn_unacked += length
         self._data_stream = stream_id
         self._data_state = st
         self._data_end_stream = bool(flags & FLAG_END_STREAM)
@@ -982,6 +1023,7 @@ class HboneConnection:
             self._pad_length_pending = False
             if self._data_state is not None:
                 self._data_state.held += 1  # the pad length byte is flow-controlled too
+                self._conn_released += 1
             total = self._data_remaining - 1
             if pad > total:
                 self._fail("DATA padding longer than the frame", ErrorCode.PROTOCOL_ERROR)
@@ -1002,6 +1044,7 @@ class HboneConnection:
             if self._data_state is not None:
                 # Padding is flow-controlled but never delivered: release it at once.
                 self._data_state.held += n
+                self._conn_released += n
         if not self._data_remaining and not self._data_padding and not self._pad_length_pending:
             self._finish_data(events)
         return pos
@@ -1017,21 +1060,31 @@ class HboneConnection:
     # -- flow control ----------------------------------------------------------------------------------------
 
     def ack_data(self, stream_id: int, nbytes: int) -> None:
-        """The consumer has passed on ``nbytes`` of this stream's data: the peer may send that much more."""
+        """The consumer has passed on (or dropped) ``nbytes`` of this stream's data: the peer may send that much
+        more, on the stream and on the connection. Also for a stream already closed: the connection gets its share
+        back (a consumer that drops a stream acknowledges what it held, or the connection would starve)."""
         st = self.streams.get(stream_id)
         if st is None:
-            return
-        n = min(nbytes, st.unacked)
-        st.unacked -= n
-        held = st.held + n
-        if held >= self._stream_threshold and not st.remote_closed:
-            # Due: queued now (it leaves with the next flush, as the consumer's flush follows its acks), not kept in
-            # a set for a later pass, so asking the core for output is just looking at ``out``.
-            self.out += _WINDOW_UPDATE.pack(4 << 8 | WINDOW_UPDATE, 0, stream_id, held)
-            st.recv_window += held
-            st.held = 0
+            # Bounded by what is outstanding on the connection: a consumer's mistake cannot widen the window past
+            # what we advertised.
+            n = min(nbytes, self._conn_max - self._conn_window - self._conn_released)
         else:
-            st.held = held
+            n = min(nbytes, st.unacked)
+            st.unacked -= n
+            held = st.held + n
+            if held >= self._stream_threshold and not st.remote_closed:
+                # Due: queued now (it leaves with the next flush, as the consumer's flush follows its acks), not kept
+                # in a set for a later pass, so asking the core for output is just looking at ``out``.
+                self.out += _WINDOW_UPDATE.pack(4 << 8 | WINDOW_UPDATE, 0, stream_id, held)
+                st.recv_window += held
+                st.held = 0
+            else:
+                st.held = held
+        released = self._conn_released + n
+        if released >= self._conn_due and released:
+            self._release_connection(released)
+        else:
+            self._conn_released = released
 
     def flush_acks(self, stream_id: int) -> None:
         """Release a stream's held window now (a consumer that had paused has caught up)."""
@@ -1050,7 +1103,7 @@ class HboneConnection:
         :class:`StreamLimitError` when no stream can be opened now."""
         if self.closed:
             raise StreamLimitError("the HTTP/2 connection has failed")
-        limit = self._peer_max_streams
+        limit = self.peer_max_streams
         if len(self.streams) >= limit:
             raise StreamLimitError(f"the peer allows {limit} concurrent streams, {len(self.streams)} are open")
         stream_id = self._next_stream_id
@@ -1162,6 +1215,18 @@ class HboneConnection:
     @property
     def open_streams(self) -> int:
         return len(self.streams)
+
+    @property
+    def receive_window(self) -> int:
+        """How many more DATA bytes the peer may send on the whole connection (what it was told; a batch of window
+        released but not yet sent as WINDOW_UPDATE is not in it)."""
+        return self._conn_window
+
+    @property
+    def receive_held(self) -> int:
+        """DATA bytes delivered to consumers whose connection window they have not released yet (they are still on
+        their way to the app): at most the connection window."""
+        return self._conn_max - self._conn_window - self._conn_released
 
     def data_to_send(self) -> bytes:
         """Everything queued for the wire before the next DATA frame, in the order it was made (the preface and

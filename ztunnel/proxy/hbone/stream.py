@@ -8,7 +8,8 @@ each operation makes the core call and the flush together, so no caller touches 
   buffer (the 9 bytes kept free before each payload take the frame header) and written to TLS in one call;
 * :meth:`HboneStream.end`: END_STREAM, our half-close;
 * :meth:`HboneStream.reset`: RST_STREAM, and a TCP reset to the plaintext side;
-* :meth:`HboneStream.release`: flow-control window given back to the peer once the plaintext side caught up.
+* :meth:`HboneStream.release`: flow-control window given back to the peer once the plaintext side caught up;
+  :meth:`HboneStream.give_back` for bytes a finished stream still held (the connection's window must not shrink).
 
 The connection's events arrive as the ``on_*`` callbacks; the plaintext socket's as the ``plain_*`` ones
 (:class:`~ztunnel.proxy.relay.PlainPeer`). The completion callback is passed to :meth:`HboneStream.attach`.
@@ -17,7 +18,8 @@ Relay semantics (upstream ``copy.rs`` and ``h2.rs``):
 
 * Backpressure: when the HBONE send window is closed, or the TLS connection's socket buffer is above its high-water
   mark, the plaintext socket stops being read; when the plaintext socket's write buffer fills, the stream stops
-  releasing flow-control window, so the peer stops at the 4 MiB stream window. Memory per tunnel is bounded.
+  releasing flow-control window (the stream's and the connection's), so the peer stops at the 4 MiB stream window,
+  and all the streams of a connection at its 16 MiB window. Memory per tunnel and per connection is bounded.
 * Half-close is carried end to end: FIN -> END_STREAM -> FIN, in each direction independently. A TCP reset becomes
   RST_STREAM(CONNECT_ERROR) and an RST_STREAM other than NO_ERROR/CANCEL becomes a TCP reset (RFC 9113 §8.5);
   upstream reads NO_ERROR and CANCEL as EOF.
@@ -115,7 +117,9 @@ class HboneStream:
         self.plain = plain
         if self._early is not None:
             for chunk in self._early:
-                self.on_data(memoryview(chunk), len(chunk))  # self.plain is set: straight to the socket
+                # Straight to the socket (self.plain is set); their window is already in _held (flow 0 here, or it
+                # would be released twice: the connection's window past what was advertised).
+                self.on_data(memoryview(chunk), 0)
             self._early = None
         if self.remote_ended:
             plain.write_eof()
@@ -337,10 +341,24 @@ class HboneStream:
             plain.peer = None
             self._finish()
 
+    def give_back(self) -> None:
+        """The stream is dropped with bytes whose window it had not released (its socket was paused, or it never
+        got one): release them now. The stream's own window no longer matters; the connection's does, or every
+        stream that ends this way would shrink it for good (upstream's h2 crate releases a dropped stream's
+        buffered bytes to the connection the same way)."""
+        held = self._held
+        if held:
+            self._held = 0
+            self._early = None
+            self._core.ack_data(self.stream_id, held)
+            self.conn.flush()
+
     def _finish(self) -> None:
         if self.done:
             return
         self.done = True
+        if self._held:
+            self.give_back()
         if self.setup is not None and self.plain is None:
             self.setup.cancel()
         on_done = self._on_done
