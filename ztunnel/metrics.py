@@ -153,7 +153,7 @@ def _fmt(v: float) -> str:
 
 
 class Registry:
-    """Our families, callbacks computed at scrape time, and any prometheus-client registries of other parts."""
+    """Our families, callbacks computed at scrape time, and the families of other parts (``extra`` collectors)."""
 
     def __init__(self, istio_version: str = "") -> None:
         self.families: list[Family | Histogram] = []

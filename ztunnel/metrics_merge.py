@@ -81,10 +81,10 @@ EMPTY = Snapshot()
 
 def snapshot(registry: Registry) -> Snapshot:
     """Every family ``registry`` exposes (:meth:`~ztunnel.metrics.Registry.exposed`: its own families, callbacks,
-    process descriptors, extra prometheus-client registries such as the DNS metrics), in exposition order.
+    process descriptors, the extra collectors such as the DNS metrics), in exposition order.
 
     The project's own families are read from their children directly (label tuples are shared between the families
-    of one connection, so pickle writes each label set once); the rest go through prometheus-client's ``Metric``.
+    of one connection, so pickle writes each label set once); the rest go through :class:`~ztunnel.metrics.Metric`.
     """
     out = [FamilySnapshot(f.name, f.help, f.kind, f.unit, tuple(f.samples())) for f in registry.families]
     for m in registry.computed():

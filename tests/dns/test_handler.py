@@ -16,7 +16,6 @@ import dns.rcode
 import dns.rdataclass
 import dns.rdatatype
 import pytest
-from prometheus_client import CollectorRegistry
 
 from tests.dns.helpers import CLIENT, LARGE_VIPS, PREFERRED, FakeForwarder, new_state
 from ztunnel.dns.handler import Forward, Handler, Reply, Transport, encode
@@ -29,9 +28,9 @@ A, AAAA = dns.rdatatype.A, dns.rdatatype.AAAA
 
 def make_handler(
     forwarder: FakeForwarder | None = None, *, ipv6: bool = True, seed: int | None = None
-) -> tuple[Handler, FakeForwarder, CollectorRegistry]:
+) -> tuple[Handler, FakeForwarder, Metrics]:
     fwd = forwarder or FakeForwarder()
-    registry = CollectorRegistry()
+    metrics = Metrics()
     store = Store(
         new_state(),
         "cluster.local",
@@ -40,7 +39,7 @@ def make_handler(
         ipv6_enabled=ipv6,
         rng=random.Random(seed),
     )
-    return Handler(store, Metrics(registry)), fwd, registry
+    return Handler(store, metrics), fwd, metrics
 
 
 async def ask(
@@ -257,7 +256,7 @@ async def test_lookup(case: Case, transport: Transport) -> None:
 
 
 async def test_unknown_client_gets_servfail() -> None:
-    handler, fwd, registry = make_handler()
+    handler, fwd, metrics = make_handler()
     resp = await ask(handler, fwd, dns.message.make_query("productpage.ns1.svc.cluster.local.", A), client=None)
     assert resp.rcode() == dns.rcode.SERVFAIL
     assert not resp.answer and not fwd.forwarded
@@ -267,7 +266,7 @@ async def test_unknown_client_gets_servfail() -> None:
         "source_canonical_service": "unknown",
         "source_canonical_revision": "unknown",
     }
-    assert registry.get_sample_value("istio_dns_requests_total", labels) == 1
+    assert metrics.value("istio_dns_requests_total", labels) == 1
 
 
 async def test_unknown_client_servfail_also_for_forwardable_names() -> None:
@@ -395,7 +394,7 @@ async def test_large_answer_is_truncated_over_udp_only() -> None:
 
 
 async def test_metrics() -> None:
-    handler, fwd, registry = make_handler()
+    handler, fwd, metrics = make_handler()
     await ask(handler, fwd, dns.message.make_query("productpage.", A))
     await ask(handler, fwd, dns.message.make_query("www.bing.com.", AAAA), Transport.TCP)
     local = {
@@ -405,12 +404,12 @@ async def test_metrics() -> None:
         "source_canonical_revision": "v1",
     }
     fwd_labels = dict(local, request_query_type="aaaa", request_protocol="tcp")
-    assert registry.get_sample_value("istio_dns_requests_total", local) == 1
-    assert registry.get_sample_value("istio_dns_upstream_requests_total", local) is None
-    assert registry.get_sample_value("istio_dns_requests_total", fwd_labels) == 1
-    assert registry.get_sample_value("istio_dns_upstream_requests_total", fwd_labels) == 1
+    assert metrics.value("istio_dns_requests_total", local) == 1
+    assert metrics.value("istio_dns_upstream_requests_total", local) is None
+    assert metrics.value("istio_dns_requests_total", fwd_labels) == 1
+    assert metrics.value("istio_dns_upstream_requests_total", fwd_labels) == 1
     # Only upstream's four families, each "unstable", with upstream's labels and no hostname.
-    families = {m.name: m for m in registry.collect()}
+    families = {m.name: m for m in metrics.collect()}
     assert set(families) == {
         "istio_dns_requests",
         "istio_dns_upstream_requests",

@@ -74,11 +74,10 @@ def test_a_registry_writes_them_after_its_own_families() -> None:
     assert render(theirs)[0].decode().removesuffix("# EOF\n") in body
 
 
-def test_unused_families_are_left_out_and_registers_with_a_prometheus_registry() -> None:
-    reg = CollectorRegistry()
-    m = Metrics(reg)
+def test_unused_families_are_left_out() -> None:
+    m = Metrics()
     assert render(m.collect())[0] == b"# EOF\n"
     m.request(CLIENT)
     labels = dict(zip(LABELS, ("a", "udp", "client", "v1"), strict=True))
-    assert reg.get_sample_value("istio_dns_requests_total", labels) == 1
-    assert reg.get_sample_value("istio_dns_upstream_requests_total", labels) is None
+    assert m.value("istio_dns_requests_total", labels) == 1
+    assert m.value("istio_dns_upstream_requests_total", labels) is None

@@ -7,6 +7,7 @@ import ipaddress
 import logging
 from pathlib import Path
 
+import dns.exception
 import dns.resolver
 import pytest
 
@@ -64,3 +65,37 @@ def test_no_file_or_no_nameserver_is_no_upstream(tmp_path: Path, caplog: pytest.
         assert ResolvConf.load(tmp_path / "missing") == ResolvConf((), (), DEFAULT_TRY_TIMEOUT)
         assert ResolvConf.parse("search a.example\noptions timeout:7\n") == ResolvConf((), (), DEFAULT_TRY_TIMEOUT)
     assert caplog.text.count("no upstream nameservers") == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "search"),
+    [
+        (
+            "search a..b good.example\nsearch kept.example\nsearch x" + "y" * 63 + ".example\nnameserver 10.0.0.1\n",
+            ["kept.example."],
+        ),
+        ("search kept.example\ndomain a..b\nnameserver 10.0.0.1\n", ["kept.example."]),
+    ],
+    ids=["a bad search line", "a bad domain line"],
+)
+def test_a_bad_search_or_domain_line_is_skipped_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, text: str, search: list[str]
+) -> None:
+    path = tmp_path / "resolv.conf"
+    path.write_text(text)
+    with pytest.raises(dns.exception.DNSException):  # dnspython refuses the whole file
+        dnspython(path)
+    with caplog.at_level(logging.WARNING):
+        conf = ResolvConf.load(path)
+    assert [str(n) for n in conf.search] == search
+    assert conf.nameservers == (Nameserver(canonical_ip(ipaddress.ip_address("10.0.0.1"))),)
+    assert (
+        f"ignoring 'search a..b good.example' in {path}" in caplog.text
+        or f"ignoring 'domain a..b' in {path}" in caplog.text
+    )
+
+
+def test_a_timeout_of_zero_or_less_is_the_default() -> None:
+    for value in ("-1", "0"):
+        assert ResolvConf.parse(f"nameserver 10.0.0.1\noptions timeout:{value}\n").timeout == DEFAULT_TRY_TIMEOUT
+    assert ResolvConf.parse("nameserver 10.0.0.1\noptions timeout:4\n").timeout == 4.0

@@ -25,7 +25,6 @@ import dns.name
 import dns.rcode
 import dns.rdatatype
 import pytest
-from prometheus_client import CollectorRegistry
 
 from tests.dns.helpers import CLIENT, PREFERRED, FakeForwarder, new_state
 from tests.dns.test_handler import CASES, Case, records
@@ -285,8 +284,8 @@ async def test_dig_through_proxy_to_upstream(upstream: UpstreamDns) -> None:
 
 
 async def test_upstream_down_is_servfail(upstream: UpstreamDns) -> None:
-    registry = CollectorRegistry()
-    p = make_proxy(system_forwarder(upstream), metrics=Metrics(registry))
+    metrics = Metrics()
+    p = make_proxy(system_forwarder(upstream), metrics=metrics)
     await p.start()
     await upstream.stop()  # nothing listens any more: ICMP port unreachable, an immediate error
     try:
@@ -301,10 +300,10 @@ async def test_upstream_down_is_servfail(upstream: UpstreamDns) -> None:
             "source_canonical_service": "client-app",
             "source_canonical_revision": "v1",
         }
-        assert registry.get_sample_value("istio_dns_upstream_failures_total", labels) == 1
-        assert registry.get_sample_value("istio_dns_upstream_requests_total", labels) == 1
-        assert registry.get_sample_value("istio_dns_requests_total", labels) == 1
-        assert registry.get_sample_value("istio_dns_upstream_request_duration_seconds_count", labels) == 1
+        assert metrics.value("istio_dns_upstream_failures_total", labels) == 1
+        assert metrics.value("istio_dns_upstream_requests_total", labels) == 1
+        assert metrics.value("istio_dns_requests_total", labels) == 1
+        assert metrics.value("istio_dns_upstream_request_duration_seconds_count", labels) == 1
     finally:
         await p.close()
 

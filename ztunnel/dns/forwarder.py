@@ -80,8 +80,10 @@ class ResolvConf:
     Parsed here, as dnspython's ``Resolver.read_resolv_conf`` reads the same file (``tests/dns/test_resolv_conf.py``
     holds the two to the same answers), not with it: ``dns.resolver`` imports dnspython's whole client
     (``dns.query``, ``dns.asyncquery``, ``dns.xfr``...), 0.9 MiB of objects in every data-plane worker for the few
-    lines of this file (docs/process-model.md, "A worker's idle memory"). One difference: a ``nameserver`` line
-    that is not an IP address is skipped with a warning, where dnspython refuses the whole file.
+    lines of this file (docs/process-model.md, "A worker's idle memory"). Where dnspython refuses the whole file (no
+    nameservers: every forwarded query SERVFAIL), a bad line is skipped with a warning instead: a ``nameserver`` that
+    is not an IP address, a ``search`` or ``domain`` line with a name that is not one; and ``options timeout:`` of 0
+    or less is the default (dnspython would time every try out at once).
     """
 
     nameservers: tuple[Nameserver, ...]
@@ -121,9 +123,11 @@ class ResolvConf:
                 # domain and search exclude each other and the last line wins; a domain alone is no search list
                 # (dnspython's reading: its resolver only searches ``domain`` when asked to)
                 try:
-                    search = [dns.name.from_text(suffix) for suffix in tokens[1:]] if key == "search" else []
+                    names = [dns.name.from_text(name) for name in (tokens[1:] if key == "search" else tokens[1:2])]
                 except (dns.exception.DNSException, ValueError) as e:
                     log.warning("DNS proxy: ignoring %r in %s: %s", line.strip(), path, e)
+                    continue
+                search = names if key == "search" else []
             elif key == "options":
                 for opt in tokens[1:]:
                     if "timeout" in opt:
@@ -134,7 +138,9 @@ class ResolvConf:
                 "DNS proxy: no upstream nameservers from %s (no nameservers); forwarded queries will get SERVFAIL", path
             )
             return cls((), (), DEFAULT_TRY_TIMEOUT)
-        return cls(tuple(servers), tuple(search), float(timeout) if timeout else DEFAULT_TRY_TIMEOUT)
+        # glibc waits at least a second per try whatever the option says; 0 or less here would be a timeout that
+        # fires at once, failing every forwarded query: the default instead.
+        return cls(tuple(servers), tuple(search), float(timeout) if timeout > 0 else DEFAULT_TRY_TIMEOUT)
 
     def to_json(self) -> dict[str, Any]:
         """``dnsResolverCfg`` / ``dnsResolverOpts`` of ``/config_dump``: the nameservers forwarded to, in the shape

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import dns.rdatatype
 
@@ -31,13 +30,6 @@ LABELS = ("request_query_type", "request_protocol", "source_canonical_service", 
 # Upstream's buckets for the forwarding latency, in seconds.
 DURATION_BUCKETS = (0.0005, 0.001, 0.01, 0.1, 1.0, 5.0)
 UNKNOWN = "unknown"
-
-
-class Registers(Protocol):
-    """A registry that takes collectors (prometheus-client's ``CollectorRegistry``: tests read values with its
-    ``get_sample_value``)."""
-
-    def register(self, collector: Any) -> None: ...
 
 
 def query_type_label(rdtype: int) -> str:
@@ -77,13 +69,12 @@ class DnsLabels:
 
 class Metrics:
     """``istio_dns_requests_total``, ``istio_dns_upstream_requests_total``, ``istio_dns_upstream_failures_total``
-    and ``istio_dns_upstream_request_duration_seconds``: a collector (:meth:`collect`), registered into
-    ``registry`` when one is given."""
+    and ``istio_dns_upstream_request_duration_seconds``: a collector (:meth:`collect`) for a registry's ``extra``."""
 
     # Label sets are bounded in practice; the cap only guards against a misbehaving caller.
     _MAX_CACHED = 4096
 
-    def __init__(self, registry: Registers | None = None) -> None:
+    def __init__(self) -> None:
         self.requests = Family("istio_dns_requests", "Total number of DNS requests (unstable)")
         self.forwarded_requests = Family(
             "istio_dns_upstream_requests", "Total number of DNS requests forwarded to upstream (unstable)"
@@ -102,8 +93,7 @@ class Metrics:
         self._requests: dict[DnsLabels, Child] = {}
         self._forwarded: dict[DnsLabels, Child] = {}
         self._failures: dict[DnsLabels, Child] = {}
-        if registry is not None:
-            registry.register(self)
+        self._durations: dict[DnsLabels, Labels] = {}  # the histogram's key per label set, made once
 
     def collect(self) -> Iterator[Metric]:
         """The four families, in registration order (empty ones too: the writer leaves them out)."""
@@ -129,4 +119,18 @@ class Metrics:
         self._child(self._failures, self.forwarded_failures, labels).value += 1
 
     def forward_duration(self, labels: DnsLabels, seconds: float) -> None:
-        self.forwarded_duration.observe(labels.values(), seconds)
+        key = self._durations.get(labels)
+        if key is None:
+            if len(self._durations) >= self._MAX_CACHED:
+                self._durations.clear()
+            key = self._durations[labels] = labels.values()
+        self.forwarded_duration.observe(key, seconds)
+
+    def value(self, sample: str, labels: dict[str, str]) -> float | None:
+        """The value of the sample named ``sample`` (``istio_dns_requests_total``...) with exactly ``labels``; None
+        when there is none. For tests and debugging: what a scrape would show, without parsing one."""
+        for metric in self.collect():
+            for s in metric.samples:
+                if s.name == sample and s.labels == labels:
+                    return s.value
+        return None
