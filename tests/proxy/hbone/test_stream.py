@@ -140,6 +140,22 @@ async def test_reject_answers_and_forgets_the_stream(pair: Pair) -> None:
     await eventually(lambda: stream.remote_ended)  # the 403 ended the stream
 
 
+async def test_a_refused_stream_is_reset_with_no_error_after_its_answer(pair: Pair) -> None:
+    """RFC 9113 §8.1 (as upstream's h2 crate): a refusal is the 4xx/5xx with END_STREAM, then RST_STREAM(NO_ERROR)
+    while the client has not ended its side, so it stops sending. Without the reset the stream stayed half-open in
+    the core: it counted against MAX_CONCURRENT_STREAMS and every chunk the client sent on it was acknowledged
+    (40 MiB accepted on a stream refused with 503)."""
+    stream, server, theirs = await pair.request()
+    server.reject(theirs, 503)
+    assert theirs.stream_id not in server.core.streams  # nothing left of it in the core
+    assert stream.response is not None
+    status, _ = await asyncio.wait_for(stream.response, 5)
+    assert status == 503  # the client reads the answer before the reset
+    await eventually(lambda: stream.done)
+    assert stream.reset_code == ErrorCode.NO_ERROR
+    assert pair.client.stream_count == 0
+
+
 async def test_reject_of_the_last_stream_of_a_draining_connection_is_still_sent(pair: Pair) -> None:
     # Rejecting the last stream of a draining connection closes it: the answer queued in the core must go out
     # before TLS close_notify (it was dropped: the client saw the connection close and no status).
@@ -230,8 +246,12 @@ async def test_the_peers_stream_limit_has_one_owner(pair: Pair) -> None:
     StreamLimitError (here: a SETTINGS the core has applied and the transport has not seen)."""
     first = pair.client.open_stream_within(100, "10.0.0.2:8080")
     assert first is not None
-    pair.client.core.receive_data(SettingsFrame(0, settings={SettingsFrame.MAX_CONCURRENT_STREAMS: 1}).serialize())
-    assert pair.client.peer_max_streams == 1
+    # Applied in the core, announced to nobody: no event per SETTINGS frame that nothing would read.
+    assert not pair.client.core.receive_data(
+        SettingsFrame(0, settings={SettingsFrame.MAX_CONCURRENT_STREAMS: 1}).serialize()
+    )
+    assert pair.client.core.peer_max_streams == 1
+    assert not hasattr(pair.client, "peer_max_streams")  # no second way to read it
     assert pair.client.open_stream_within(100, "10.0.0.2:8080") is None  # full, not StreamLimitError
     pair.client.core.receive_data(SettingsFrame(0, settings={SettingsFrame.MAX_CONCURRENT_STREAMS: 5}).serialize())
     assert pair.client.open_stream_within(100, "10.0.0.2:8080") is not None
