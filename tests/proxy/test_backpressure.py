@@ -17,7 +17,6 @@ import asyncio
 import hashlib
 import os
 import socket
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -146,15 +145,32 @@ async def test_stalled_reader_bounds_what_ztunnel_holds(nodes: tuple[TwoNodeMesh
     rss_before = rss()
     sender = asyncio.ensure_future(send())  # noqa: TID251 - test-owned, awaited below
 
-    # Wait until the sender is stuck: nothing more accepted for a second.
-    last, still_since, deadline = -1, time.monotonic(), time.monotonic() + 30
+    # Wait until the sender is stuck, a state rather than a pause in progress: the sink ztunnel (next to the reader
+    # that stopped) has given the stream's whole window out and its app socket is past its high-water mark (so it
+    # releases no more until its reader reads), and the source ztunnel has stopped reading the sender. Polled; the
+    # deadline only turns a hang into a failure.
+    def stalled() -> bool:
+        sinks, sources = (conns_b(), conns_a()) if direction == "upload" else (conns_a(), conns_b())
+        if len(sinks) != 1 or len(sources) != 1 or len(sinks[0].streams) != 1 or len(sources[0].streams) != 1:
+            return False
+        sink, source = stream_of(sinks), stream_of(sources)
+        window = sink.conn.core.streams.get(sink.stream_id)
+        return (
+            window is not None
+            and window.recv_window == 0
+            and sink.plain is not None
+            and sink.plain.write_paused
+            and source.plain is not None
+            and source.plain.reading_paused
+        )
+
+    deadline = loop.time() + 30
     peak_a = peak_b = 0
-    while time.monotonic() - still_since < 1.0:
-        assert time.monotonic() < deadline, f"sender never stalled ({sent} bytes accepted)"
+    while not stalled():
+        assert loop.time() < deadline, f"sender never stalled ({sent} bytes accepted)"
         peak_a, peak_b = max(peak_a, held(conns_a())), max(peak_b, held(conns_b()))
-        if sent != last:
-            last, still_since = sent, time.monotonic()
         await asyncio.sleep(0.02)
+    peak_a, peak_b = max(peak_a, held(conns_a())), max(peak_b, held(conns_b()))
     assert not sender.done()
     stalled_at = sent
     held_a, held_b = held(conns_a()), held(conns_b())
