@@ -260,8 +260,9 @@ class PlainConnection(asyncio.BufferedProtocol):
         a copy and False returned: uvloop keeps the view of every write it cannot finish, and each view keeps the
         caller's whole read buffer (>= 256 KiB) alive, so a peer alternating 1 byte for a stalled socket with a full
         read for another stream pinned a buffer per byte (200 bytes held 50 MiB, the socket far below its
-        high-water mark, so no window was held). The copies are bounded by the high-water mark (past it the
-        socket pauses and the caller holds the window); the backlog pins one buffer, its first partial write's."""
+        high-water mark, so no window was held). The copies are bounded by flow control (past the high-water mark
+        the socket pauses and the caller stops releasing window); the backlog pins one buffer, its first partial
+        write's."""
         transport = self.transport
         if transport is None or self.closed or self.eof_written:
             return False
