@@ -17,7 +17,6 @@ import asyncio
 import hashlib
 import os
 import socket
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -146,15 +145,32 @@ async def test_stalled_reader_bounds_what_ztunnel_holds(nodes: tuple[TwoNodeMesh
     rss_before = rss()
     sender = asyncio.ensure_future(send())  # noqa: TID251 - test-owned, awaited below
 
-    # Wait until the sender is stuck: nothing more accepted for a second.
-    last, still_since, deadline = -1, time.monotonic(), time.monotonic() + 30
+    # Wait until the sender is stuck, a state rather than a pause in progress: the sink ztunnel (next to the reader
+    # that stopped) has given the stream's whole window out and its app socket is past its high-water mark (so it
+    # releases no more until its reader reads), and the source ztunnel has stopped reading the sender. Polled; the
+    # deadline only turns a hang into a failure.
+    def stalled() -> bool:
+        sinks, sources = (conns_b(), conns_a()) if direction == "upload" else (conns_a(), conns_b())
+        if len(sinks) != 1 or len(sources) != 1 or len(sinks[0].streams) != 1 or len(sources[0].streams) != 1:
+            return False
+        sink, source = stream_of(sinks), stream_of(sources)
+        window = sink.conn.core.streams.get(sink.stream_id)
+        return (
+            window is not None
+            and window.recv_window == 0
+            and sink.plain is not None
+            and sink.plain.write_paused
+            and source.plain is not None
+            and source.plain.reading_paused
+        )
+
+    deadline = loop.time() + 30
     peak_a = peak_b = 0
-    while time.monotonic() - still_since < 1.0:
-        assert time.monotonic() < deadline, f"sender never stalled ({sent} bytes accepted)"
+    while not stalled():
+        assert loop.time() < deadline, f"sender never stalled ({sent} bytes accepted)"
         peak_a, peak_b = max(peak_a, held(conns_a())), max(peak_b, held(conns_b()))
-        if sent != last:
-            last, still_since = sent, time.monotonic()
         await asyncio.sleep(0.02)
+    peak_a, peak_b = max(peak_a, held(conns_a())), max(peak_b, held(conns_b()))
     assert not sender.done()
     stalled_at = sent
     held_a, held_b = held(conns_a()), held(conns_b())
@@ -197,7 +213,7 @@ async def test_streams_to_apps_that_do_not_read_hold_one_connection_window(
     mark per app socket, not eight 4 MiB stream windows (36 MiB before, when the connection window was released on
     receipt; with 200 streams, 800 MiB). Once the apps read, every byte arrives, the tunnels' and those of a stream
     opened while the window was held."""
-    m, _a, b = nodes
+    m, a, b = nodes
     loop = asyncio.get_running_loop()
     app = AppSocket(m.server_app)
     # Small receive buffers on the app's side: the kernel takes less, so ztunnel's buffers fill sooner.
@@ -232,15 +248,30 @@ async def test_streams_to_apps_that_do_not_read_hold_one_connection_window(
     tunnels = [await tunnel() for _ in range(STREAMS)]
     senders = [asyncio.ensure_future(send(i, w)) for i, (w, _) in enumerate(tunnels)]  # noqa: TID251
     try:
-        last, still_since, deadline = -1, time.monotonic(), time.monotonic() + 60
+        # Stalled, a state and not a pause in progress: node B has told node A it may send nothing more on the
+        # connection (its receive window is 0) and the whole window is held by streams whose app sockets are past
+        # their high-water mark (none is on its way to a release), so nothing moves until an app reads. Polled; the
+        # deadline only turns a hang into a failure.
+        def stalled() -> bool:
+            core = conn_b().core
+            return core.receive_window == 0 and core.receive_held == CONNECTION_WINDOW
+
+        def stall_state() -> str:
+            conn = conn_b()
+            return f"window {conn.core.receive_window}, held {conn.core.receive_held}; " + ", ".join(
+                f"stream {h.stream_id} paused={h.plain is not None and h.plain.write_paused}"
+                for h in conn.streams.values()
+            )
+
+        deadline = loop.time() + 60
         peak = peak_core = 0
-        while time.monotonic() - still_since < 1.0:
-            assert time.monotonic() < deadline, f"senders never stalled ({sum(sent)} bytes accepted)"
+        while not stalled():
+            assert loop.time() < deadline, f"senders never stalled ({sum(sent)} bytes accepted): {stall_state()}"
             peak = max(peak, held(list(b.proxy.inbound.connections)))
             peak_core = max(peak_core, conn_b().core.receive_held)
-            if sum(sent) != last:
-                last, still_since = sum(sent), time.monotonic()
             await asyncio.sleep(0.02)
+        peak = max(peak, held(list(b.proxy.inbound.connections)))
+        peak_core = max(peak_core, conn_b().core.receive_held)
         assert sum(sent) < STREAMS * per_stream, sent  # held back, not finished
         conn = conn_b()
         assert len(conn.streams) == STREAMS
@@ -261,8 +292,29 @@ async def test_streams_to_apps_that_do_not_read_hold_one_connection_window(
         tunnels.append((writer, sock))
         senders.append(asyncio.ensure_future(send(STREAMS, writer)))  # noqa: TID251
         readers = [asyncio.ensure_future(receive(STREAMS, sock))]  # noqa: TID251
-        await asyncio.sleep(0.5)
-        early = received[STREAMS]
+        # Wait (on conditions, not time) until the late stream is up at both ends and its bytes wait at node A for
+        # connection window: A has read some from its client and may frame none of them.
+        (conn_a,) = a.proxy.pi.pool.connections()
+        late_id = max(conn_a.streams)
+
+        def late_blocked() -> bool:
+            h = conn_a.streams.get(late_id)
+            plain = h.plain if h is not None else None
+            return (
+                len(conn_b().streams) == STREAMS + 1
+                and plain is not None
+                and (plain.end > plain.start or plain.reading_paused)
+                and conn_a.core.send_window(late_id) == 0
+            )
+
+        deadline = loop.time() + 30
+        while not late_blocked():
+            assert loop.time() < deadline, "the late stream never came up with bytes waiting at node A"
+            await asyncio.sleep(0.02)
+        assert stalled()  # still: nothing of the stalled tunnels moved meanwhile
+        late_b = conn_b().streams[late_id]
+        early = received[STREAMS] + late_b.bytes_to_plain
+        assert early == 0, f"the late stream got {early} bytes while the stalled streams held the window"
         # Then the stalled apps read: their window comes back and everything arrives.
         readers += [asyncio.ensure_future(receive(i, s)) for i, (_, s) in enumerate(tunnels[:STREAMS])]  # noqa: TID251
         await asyncio.wait_for(asyncio.gather(*senders, *readers), 120)

@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import os
 import random
+import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -468,6 +469,28 @@ async def test_outbound_refuses_terminator_with_wrong_identity(mesh: Mesh) -> No
             assert echo.connections == 0
     finally:
         await echo.stop()
+
+
+async def test_envoy_originator_reads_a_refusal_then_our_reset(mesh: Mesh) -> None:
+    """A CONNECT ztunnel B refuses (nothing listens on the target: 503) is answered with END_STREAM and then
+    RST_STREAM(NO_ERROR), as upstream's h2 crate does (RFC 9113 §8.1). Envoy handles the answer as before the reset
+    was added: the tunnel failed (its client's connection is reset, nothing read), and it received our reset after
+    the response (before, the stream stayed half-open at B and nothing told Envoy to stop sending)."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind((mesh.node_b, 0))
+        target = s.getsockname()[:2]
+    async with mesh.inbound_via_originator(target) as envoy:
+        reader, writer = await mesh.via_originator(envoy)
+        writer.write(b"x" * 1000)
+        with contextlib.suppress(ConnectionResetError):
+            assert await asyncio.wait_for(reader.read(), DEADLINE) == b""
+        writer.close()
+        want = {
+            "cluster.hbone.upstream_rq_total": 1,
+            "cluster.hbone.upstream_cx_connect_attempts_exceeded": 1,  # Envoy's count of a non-200 CONNECT
+            "cluster.hbone.http2.rx_reset": 1,  # our RST_STREAM(NO_ERROR) after the 503
+        }
+        assert await wait_stats(envoy, want) == want
 
 
 async def test_inbound_refuses_originator_from_another_ca(mesh: Mesh) -> None:

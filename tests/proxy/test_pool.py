@@ -296,7 +296,7 @@ async def test_server_max_concurrent_streams_lower_than_pool_limit(env: Env) -> 
     pool = env.pool()  # POOL_MAX_STREAMS_PER_CONNECTION defaults to 100
     key = key_for()
     s1 = await open_ok(pool, key)
-    assert conn_of(s1).peer_max_streams == 2  # learnt from the server's SETTINGS
+    assert conn_of(s1).core.peer_max_streams == 2  # learnt from the server's SETTINGS
     s2 = await open_ok(pool, key)
     assert s2.conn is s1.conn
     s3 = await open_ok(pool, key)
@@ -312,7 +312,7 @@ async def test_requests_racing_the_servers_settings_all_succeed(env: Env) -> Non
     pool = env.pool()
     key = key_for()
     streams = await asyncio.gather(*(open_ok(pool, key) for _ in range(3)))  # every one answered 200
-    assert {conn_of(s).peer_max_streams for s in streams} == {2}
+    assert {conn_of(s).core.peer_max_streams for s in streams} == {2}
     s4 = await open_ok(pool, key)
     assert conn_of(s4).stream_count <= 2
     assert 2 <= pool.dials <= 3

@@ -67,6 +67,7 @@ class PlainConnection(asyncio.BufferedProtocol):
     __slots__ = (
         "_on_made",
         "_pause_reasons",
+        "backlog",
         "buf",
         "bytes_read",
         "bytes_written",
@@ -96,6 +97,7 @@ class PlainConnection(asyncio.BufferedProtocol):
         self.end = HDR  # end of bytes read
         self.bytes_read = 0
         self.bytes_written = 0
+        self.backlog = False  # the last write left bytes in the transport (a view, or more): see write()
         self.reading_paused = False
         self._pause_reasons = 0
         self.eof_received_ = False
@@ -252,23 +254,43 @@ class PlainConnection(asyncio.BufferedProtocol):
             self.transport.resume_reading()
 
     def write(self, data: memoryview) -> bool:
-        """Write ``data``; True if the transport kept a reference to it (the caller must not reuse the memory)."""
+        """Write ``data``; True if the transport kept a reference to it (the caller must not reuse the memory).
+
+        Behind a backlog (an earlier write kept its view and the transport has not drained), ``data`` is written as
+        a copy and False returned: uvloop keeps the view of every write it cannot finish, and each view keeps the
+        caller's whole read buffer (>= 256 KiB) alive, so a peer alternating 1 byte for a stalled socket with a full
+        read for another stream pinned a buffer per byte (200 bytes held 50 MiB, the socket far below its
+        high-water mark, so no window was held). The copies are bounded by flow control (past the high-water mark
+        the socket pauses and the caller stops releasing window); the backlog pins one buffer, its first partial
+        write's."""
         transport = self.transport
         if transport is None or self.closed or self.eof_written:
+            return False
+        # The usual path (nothing buffered the last time: the flag) adds no call; a backlog is checked only after a
+        # write that left one.
+        if self.backlog and transport.get_write_buffer_size():
+            transport.write(bytes(data))
+            self.bytes_written += len(data)
             return False
         transport.write(data)
         self.bytes_written += len(data)
-        return transport.get_write_buffer_size() > 0
+        self.backlog = kept = transport.get_write_buffer_size() > 0
+        return kept
 
     def writelines(self, views: list[memoryview], nbytes: int) -> bool:
         """Write ``views`` (``nbytes`` in all, which the caller has summed already) in order with one transport call
-        (uvloop: one ``writev``); True as :meth:`write`."""
+        (uvloop: one ``writev``); True as :meth:`write` (behind a backlog: one copy of them all, False)."""
         transport = self.transport
         if transport is None or self.closed or self.eof_written:
             return False
+        if self.backlog and transport.get_write_buffer_size():
+            transport.write(b"".join(views))
+            self.bytes_written += nbytes
+            return False
         transport.writelines(views)
         self.bytes_written += nbytes
-        return transport.get_write_buffer_size() > 0
+        self.backlog = kept = transport.get_write_buffer_size() > 0
+        return kept
 
     def write_eof(self) -> None:
         """FIN after everything written so far (the transport flushes first)."""

@@ -502,19 +502,23 @@ class HboneTransport(asyncio.BufferedProtocol):
         self.flush()
 
     def reject(self, stream: HboneStream, status: int) -> None:
-        """Server: refuse a CONNECT with ``status`` and END_STREAM (upstream sends errors so); the stream is
-        forgotten. Nothing is sent for a stream already gone (reset by the peer, or the connection lost)."""
+        """Server: refuse a CONNECT with ``status`` and END_STREAM (upstream sends errors so), then RST_STREAM
+        (NO_ERROR) if the peer has not ended its side; the stream is forgotten. Nothing is sent for a stream
+        already gone (reset by the peer, or the connection lost)."""
         if stream.done or self.closed:
             return
-        self.core.send_response(stream.stream_id, status, end_stream=True)
-        stream.give_back()  # bytes that arrived before the refusal: the connection's window back
+        core = self.core
+        stream_id = stream.stream_id
+        core.send_response(stream_id, status, end_stream=True)
+        # RFC 9113 §8.1, as upstream's h2 crate: after a complete response, RST_STREAM(NO_ERROR) asks the client to
+        # stop sending. Without it the stream stayed half-open: it counted against MAX_CONCURRENT_STREAMS and each
+        # chunk the client kept sending was acknowledged (40 MiB accepted on a stream refused with 503). The reset
+        # comes after the answer in the same write, so a client reads the status first.
+        if stream_id in core.streams:  # still there: the peer has not ended its side (END_STREAM would close it)
+            core.reset_stream(stream_id, ErrorCode.NO_ERROR)
+        stream.give_back()  # after the reset: the connection's window back, and no WINDOW_UPDATE for the stream
         self.detach(stream.stream_id)
         self.flush()
-
-    @property
-    def peer_max_streams(self) -> int:
-        """The peer's SETTINGS_MAX_CONCURRENT_STREAMS (2^31 until it sends one): the HTTP/2 core's, read through."""
-        return self.core.peer_max_streams
 
     @property
     def stream_count(self) -> int:

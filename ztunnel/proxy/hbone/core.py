@@ -265,11 +265,6 @@ class GoAwayReceived:
 
 
 @dataclass(slots=True)
-class RemoteSettingsChanged:
-    max_concurrent_streams: int | None
-
-
-@dataclass(slots=True)
 class RequestRefused:
     """A malformed request was refused with RST_STREAM PROTOCOL_ERROR; the connection and its other streams go on.
     ``reason`` quotes names with ``repr`` (one log line, whatever the peer sent) and never a header value."""
@@ -287,7 +282,6 @@ Event = (
     | WindowOpened
     | PingAcked
     | GoAwayReceived
-    | RemoteSettingsChanged
     | RequestRefused
 )
 
@@ -873,7 +867,6 @@ class HboneConnection:
                 self._fail(f"SETTINGS_INITIAL_WINDOW_SIZE of {value}", ErrorCode.FLOW_CONTROL_ERROR)
             elif ident == _MAX_FRAME_SIZE and not _DEFAULT_FRAME_SIZE <= value <= 2**24 - 1:
                 self._fail(f"SETTINGS_MAX_FRAME_SIZE of {value}", ErrorCode.PROTOCOL_ERROR)
-        max_streams: int | None = None
         initial_window: int | None = None
         for ident, value in values:
             if ident == _INITIAL_WINDOW_SIZE:
@@ -881,7 +874,7 @@ class HboneConnection:
             elif ident == _MAX_FRAME_SIZE:
                 self._peer_max_frame = value
             elif ident == _MAX_CONCURRENT_STREAMS:
-                self.peer_max_streams = max_streams = value
+                self.peer_max_streams = value
             elif ident == _HEADER_TABLE_SIZE:
                 self._header_table_size_changed(value)
             # SETTINGS_MAX_HEADER_LIST_SIZE is advisory (our blocks are a few hundred bytes); others are unknown.
@@ -890,7 +883,6 @@ class HboneConnection:
             self._initial_window_changed(initial_window - self._peer_initial_window)
             self._peer_initial_window = initial_window
         self.out += _HEADER.pack(SETTINGS, FLAG_ACK, 0)
-        events.append(RemoteSettingsChanged(max_streams))
         if initial_window is not None:
             events.append(WindowOpened(0))
 
