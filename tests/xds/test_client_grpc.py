@@ -152,7 +152,8 @@ async def test_file_changes_are_pushed(tmp_path: Path) -> None:
 async def test_nack_names_the_resource_and_keeps_the_last_good_state(cp: XdsServer) -> None:
     async with running(ztunnel_env(cp)) as node:
         await wait_until(lambda: node.readiness.ready, 5)
-        # A new resource with a 5-byte IP, and a bad update of an existing one, in one push.
+        # A new resource with a 5-byte IP, and a bad update of an existing one: two pushes (each set is a config
+        # version), each NACKed; waiting for the first NACK alone raced the second (failed once in CI).
         bad_new = wl.Address(
             workload=wl.Workload(uid="bad", name="bad", namespace="ns", addresses=[b"\x01\x02\x03\x04\x05"])
         )
@@ -161,7 +162,7 @@ async def test_nack_names_the_resource_and_keeps_the_last_good_state(cp: XdsServ
         )
         cp.set_raw_resource(ADDRESS_TYPE, "bad", bad_new)
         cp.set_raw_resource(ADDRESS_TYPE, "c1//v1/Pod/ns/b", bad_update)
-        await wait_until(lambda: len(cp.nacks) > 0, 1)
+        await wait_until(lambda: len(cp.nacks) >= 2, 1)
         messages = " ".join(n.message for n in cp.nacks)
         assert "bad: workload.addresses[0]: IP address must be 4 or 16 bytes, got 5" in messages
         assert "c1//v1/Pod/ns/b: workload.tunnel_protocol: unsupported tunnel protocol: legacy istio mtls" in messages
