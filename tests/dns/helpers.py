@@ -12,6 +12,7 @@ import dns.rdatatype
 import dns.rrset
 
 from ztunnel.dns.forwarder import ForwardError
+from ztunnel.dns.metrics import Metrics
 from ztunnel.state import ProxyState, StateUpdate
 from ztunnel.state.service import IpFamily, Service, Visibility
 from ztunnel.state.workload import NamespacedHostname, NetworkAddress, Workload
@@ -20,6 +21,16 @@ NS1, NS2, NS3 = "ns1", "ns2", "ns3"
 PREFERRED = "preferred-ns"
 NW1, NW2 = "nw1", "nw2"
 CLIENT_IP = "10.0.1.1"
+
+
+def sample_value(metrics: Metrics, sample: str, labels: dict[str, str]) -> float | None:
+    """The value of the sample named ``sample`` (``istio_dns_requests_total``...) with exactly ``labels`` in what
+    ``metrics`` writes at a scrape; None when there is none."""
+    for metric in metrics.collect():
+        for s in metric.samples:
+            if s.name == sample and s.labels == labels:
+                return s.value
+    return None
 
 
 def ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:

@@ -26,7 +26,7 @@ import dns.rcode
 import dns.rdatatype
 import pytest
 
-from tests.dns.helpers import CLIENT, PREFERRED, FakeForwarder, new_state
+from tests.dns.helpers import CLIENT, PREFERRED, FakeForwarder, new_state, sample_value
 from tests.dns.test_handler import CASES, Case, records
 from ztunnel.config import SocketAddress
 from ztunnel.dns.forwarder import Nameserver, SystemForwarder
@@ -300,10 +300,10 @@ async def test_upstream_down_is_servfail(upstream: UpstreamDns) -> None:
             "source_canonical_service": "client-app",
             "source_canonical_revision": "v1",
         }
-        assert metrics.value("istio_dns_upstream_failures_total", labels) == 1
-        assert metrics.value("istio_dns_upstream_requests_total", labels) == 1
-        assert metrics.value("istio_dns_requests_total", labels) == 1
-        assert metrics.value("istio_dns_upstream_request_duration_seconds_count", labels) == 1
+        assert sample_value(metrics, "istio_dns_upstream_failures_total", labels) == 1
+        assert sample_value(metrics, "istio_dns_upstream_requests_total", labels) == 1
+        assert sample_value(metrics, "istio_dns_requests_total", labels) == 1
+        assert sample_value(metrics, "istio_dns_upstream_request_duration_seconds_count", labels) == 1
     finally:
         await p.close()
 

@@ -125,12 +125,3 @@ class Metrics:
                 self._durations.clear()
             key = self._durations[labels] = labels.values()
         self.forwarded_duration.observe(key, seconds)
-
-    def value(self, sample: str, labels: dict[str, str]) -> float | None:
-        """The value of the sample named ``sample`` (``istio_dns_requests_total``...) with exactly ``labels``; None
-        when there is none. For tests and debugging: what a scrape would show, without parsing one."""
-        for metric in self.collect():
-            for s in metric.samples:
-                if s.name == sample and s.labels == labels:
-                    return s.value
-        return None
