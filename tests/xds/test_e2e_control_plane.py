@@ -241,8 +241,9 @@ async def test_config_and_certificates_from_the_control_plane(two_nodes: Mesh) -
     assert {"Bearer tok-a", "Bearer tok-b"} <= tokens
     assert all(not r.request.HasField("metadata") for r in m.cp.ca_requests)  # dedicated mode: no impersonation
 
-    # Removed, it is gone within 1 s.
-    assert await within(1.0, m.write(mesh(server=False)), want=False) < 1.0
+    # Removed, it is gone within 1 s (read in node A's config dump: see applied_within), and the traffic stops.
+    assert await applied_within(1.0, m.write(mesh(server=False)), {"client"}) < 1.0
+    assert not await echo_once()
     await within(1.0, m.write(mesh()), want=True)
 
     assert m.cp.nacks == []
@@ -355,7 +356,8 @@ async def test_nack_in_a_running_ztunnel_and_xds_metrics(two_nodes: Mesh) -> Non
 
     # The next valid push is accepted (ACKed) and applied: the server workload goes away.
     acks = len(session.acks)
-    assert await within(1.0, m.write(mesh(server=False)), want=False) < 1.0
+    assert await applied_within(1.0, m.write(mesh(server=False)), {"client"}) < 1.0  # see applied_within
+    assert not await echo_once()
     await wait_until(lambda: len(session.acks) > acks, 1)
     assert session.acks[-1][0] == ADDRESS_TYPE and int(session.acks[-1][1]) > int(nack.nonce)
     assert len(session.nacks) == 1
