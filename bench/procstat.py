@@ -34,14 +34,24 @@ def cpu_seconds(pid: int) -> float:
 
 def cpu_seconds_stat(pid: int) -> float:
     """``utime + stime`` from ``/proc/<pid>/stat`` (clock-tick resolution); 0.0 if the process is gone."""
+    user, system = user_system_seconds(pid)
+    return user + system
+
+
+def user_system_seconds(pid: int) -> tuple[float, float]:
+    """``(utime, stime)`` of process ``pid`` (all its threads) from ``/proc/<pid>/stat``, in seconds: the CPU time
+    spent in user space and in the kernel on its behalf (system calls, and the softirq work the kernel runs in
+    them: on loopback, most of the peer's TCP receive). Clock-tick resolution (10 ms), and the kernel splits its
+    precise runtime between the two by tick samples, so read the split of a window of many ticks; (0.0, 0.0) if
+    the process is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
     except OSError:
-        return 0.0
+        return 0.0, 0.0
     # The command name (field 2) may contain spaces and parentheses: split after its closing parenthesis.
     fields = raw.rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    return int(fields[11]) / _CLK_TCK, int(fields[12]) / _CLK_TCK
 
 
 def _kib_field(path: str, name: bytes) -> int:
@@ -181,6 +191,28 @@ def cpu_snapshot(pids: Mapping[str, int]) -> dict[str, float]:
 def cpu_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
     """CPU seconds used by each named process between two snapshots."""
     return {name: round(after[name] - before.get(name, 0.0), 6) for name in after}
+
+
+def split_snapshot(pids: Mapping[str, int]) -> dict[str, tuple[float, float]]:
+    """``(user, system)`` CPU seconds of each named process now (:func:`user_system_seconds`)."""
+    return {name: user_system_seconds(pid) for name, pid in pids.items()}
+
+
+def kernel_delta(
+    cpu: Mapping[str, float],
+    before: Mapping[str, tuple[float, float]],
+    after: Mapping[str, tuple[float, float]],
+) -> dict[str, float]:
+    """The kernel's part of each process's CPU seconds ``cpu`` (a :func:`cpu_delta`) over the window two
+    :func:`split_snapshot` calls bound: ``cpu`` times the share of system time in the window's ticks (the clock
+    gives the precise total, the ticks the split); 0.0 for a process whose window saw no tick."""
+    out: dict[str, float] = {}
+    for name, seconds in cpu.items():
+        user0, sys0 = before.get(name, (0.0, 0.0))
+        user1, sys1 = after.get(name, (user0, sys0))
+        ticks = (user1 - user0) + (sys1 - sys0)
+        out[name] = round(seconds * (sys1 - sys0) / ticks, 6) if ticks > 0 else 0.0
+    return out
 
 
 def rss_snapshot(pids: Mapping[str, int]) -> dict[str, int]:

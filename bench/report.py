@@ -53,6 +53,8 @@ METRICS: dict[str, tuple[Metric, ...]] = {
         Metric("gbit_per_cpu_s", "Gbit per proxy CPU-second", "higher"),
         Metric("fairness", "slowest / fastest stream", "higher", chart=False),
         Metric("proxy_cpu_s_per_gbit", "proxy CPU seconds per Gbit", "lower", ".3f", chart=False, table=False),
+        Metric("proxy_kernel_cpu_s_per_gbit", "proxy CPU seconds per Gbit in the kernel", "lower", ".3f", chart=False),
+        Metric("proxy_user_cpu_s_per_gbit", "proxy CPU seconds per Gbit in user space", "lower", ".3f", chart=False),
         Metric(
             "proxy_cores", "proxy cores used (all processes on the path)", "higher", ".2f", chart=False, table=False
         ),
@@ -70,6 +72,8 @@ METRICS: dict[str, tuple[Metric, ...]] = {
         Metric("conn_p50_us", "p50 µs per connection", "lower", ".0f", chart=False),
         Metric("conn_p99_us", "p99 µs per connection", "lower", ".0f", chart=False),
         Metric("proxy_cpu_us_per_conn", "proxy CPU µs per connection", "lower", ".0f", chart=False, table=False),
+        Metric("proxy_kernel_us_per_conn", "proxy CPU µs per connection in the kernel", "lower", ".0f", chart=False),
+        Metric("proxy_user_us_per_conn", "proxy CPU µs per connection in user space", "lower", ".0f", chart=False),
         Metric(
             "proxy_cores", "proxy cores used (all processes on the path)", "higher", ".2f", chart=False, table=False
         ),

@@ -14,7 +14,8 @@ once ztunnel has established the tunnel (its SOCKS5 answers after connecting, un
 
 Commands (``op``): ``throughput``, ``latency``, ``connrate``, ``hold``, ``release``, ``ping``, ``quit``. Each may
 carry ``pids`` (name -> pid): their CPU seconds are sampled at the edges of the measured window and returned as
-``cpu``, with the window's length as ``cpu_window_s``. Blocking sockets on threads carry bulk and ping-pong
+``cpu``, with the window's length as ``cpu_window_s`` (``throughput`` and ``connrate`` also return ``cpu_kernel``, the
+kernel's part of each: :func:`bench.procstat.kernel_delta`). Blocking sockets on threads carry bulk and ping-pong
 traffic (the GIL is released in every send and receive); uvloop carries the many-connection scenarios.
 """
 
@@ -35,7 +36,7 @@ from typing import Any
 
 import uvloop
 
-from bench.procstat import cpu_delta, cpu_snapshot
+from bench.procstat import cpu_delta, cpu_snapshot, kernel_delta, split_snapshot
 
 Route = Mapping[str, Any]
 _GREETING = b"\x05\x01\x00"  # SOCKS5, one method: no authentication
@@ -150,12 +151,12 @@ def throughput(cmd: Mapping[str, Any]) -> dict[str, Any]:
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(streams)]
     for t in threads:
         t.start()
-    cpu0 = cpu_snapshot(pids)
+    split0, cpu0 = split_snapshot(pids), cpu_snapshot(pids)
     start[0] = time.perf_counter()
     barrier.wait()
     for t in threads:
         t.join()
-    cpu1 = cpu_snapshot(pids)
+    cpu1, split1 = cpu_snapshot(pids), split_snapshot(pids)
     cpu_window = time.perf_counter() - start[0]
     wall = max(ended) - start[0]
     total = sum(confirmed)
@@ -165,7 +166,8 @@ def throughput(cmd: Mapping[str, Any]) -> dict[str, Any]:
         "seconds": round(wall, 4),
         "gbps": total * 8 / wall / 1e9,
         "per_stream_gbps": [round(g, 3) for g in per_stream],
-        "cpu": cpu_delta(cpu0, cpu1),
+        "cpu": (cpu := cpu_delta(cpu0, cpu1)),
+        "cpu_kernel": kernel_delta(cpu, split0, split1),
         "cpu_window_s": round(cpu_window, 4),
         "errors": errors,
     }
@@ -283,11 +285,11 @@ async def _connrate(cmd: Mapping[str, Any]) -> dict[str, Any]:
             done += 1
             samples.append(perf() - t0)
 
-    cpu0 = cpu_snapshot(pids)
+    split0, cpu0 = split_snapshot(pids), cpu_snapshot(pids)
     t_start = perf()
     await asyncio.gather(*(one_client(t_start + seconds) for _ in range(concurrency)))
     wall = perf() - t_start
-    cpu1 = cpu_snapshot(pids)
+    cpu1, split1 = cpu_snapshot(pids), split_snapshot(pids)
     cpu_window = perf() - t_start
     samples.sort()
     return {
@@ -296,7 +298,8 @@ async def _connrate(cmd: Mapping[str, Any]) -> dict[str, Any]:
         "rate": done / wall,
         "errors": errors,
         "conn_us": _percentiles([s * 1e6 for s in samples]),
-        "cpu": cpu_delta(cpu0, cpu1),
+        "cpu": (cpu := cpu_delta(cpu0, cpu1)),
+        "cpu_kernel": kernel_delta(cpu, split0, split1),
         "cpu_window_s": round(cpu_window, 4),
     }
 

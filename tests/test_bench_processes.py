@@ -16,8 +16,8 @@ import pytest
 
 from bench import report
 from bench.processes import environ, found, mismatch, parse_workers, variant_env
-from bench.procstat import cpu_delta, cpu_snapshot, process_tree, worker_index
-from bench.scenarios.base import process_split, proxy_cpu
+from bench.procstat import cpu_delta, cpu_snapshot, kernel_delta, process_tree, split_snapshot, worker_index
+from bench.scenarios.base import process_split, proxy_cpu, proxy_kernel
 
 # A stand-in for a ztunnel with workers, as the bench sees one: a parent whose children carry `--index N` on their
 # command line (the convention of `python -m ztunnel.workers --index N`), one of them busy, and a helper without an
@@ -107,6 +107,43 @@ def test_process_tree_names_workers_by_index(ztunnel_like: tuple[subprocess.Pope
     assert proxy["env"] == {"ZTUNNEL_WORKER_THREADS": "2"}
     assert mismatch(record, ["ztunnel-a"]) is None
     assert "ztunnel-a has 2" in str(mismatch({**record, "workers": "3"}, ["ztunnel-a"]))
+
+
+# One process computing in Python (user space), one making system calls that do work in the kernel (copying 1 MiB of
+# /dev/zero per read), each until its stdin closes.
+_SPIN = "import sys, select\nwhile not select.select([sys.stdin], [], [], 0)[0]: sum(range(1000))"
+_SYSCALLS = (
+    "import os, sys, select\nfd = os.open('/dev/zero', os.O_RDONLY)\n"
+    "while not select.select([sys.stdin], [], [], 0)[0]: os.read(fd, 1 << 20)"
+)
+
+
+def test_kernel_part_of_the_cpu_is_told_from_user_space() -> None:
+    procs = {
+        name: subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+        for name, code in (("spin", _SPIN), ("syscalls", _SYSCALLS))
+    }
+    try:
+        pids = {name: p.pid for name, p in procs.items()}
+        time.sleep(0.2)  # past the interpreter's start (imports are user time and file reads)
+        split0, cpu0 = split_snapshot(pids), cpu_snapshot(pids)
+        deadline = time.monotonic() + 20
+        # Enough clock ticks (10 ms each) that the split means something: the window ends on CPU used, not on time.
+        while min(cpu_delta(cpu0, cpu_snapshot(pids)).values()) < 0.5:
+            assert time.monotonic() < deadline, "the two processes did not get 0.5 s of CPU each"
+            time.sleep(0.05)
+        cpu, split1 = cpu_delta(cpu0, cpu_snapshot(pids)), split_snapshot(pids)
+    finally:
+        for p in procs.values():
+            p.communicate(b"x")
+    kernel = kernel_delta(cpu, split0, split1)
+    assert kernel["spin"] < 0.2 * cpu["spin"], (kernel, cpu)
+    assert kernel["syscalls"] > 0.5 * cpu["syscalls"], (kernel, cpu)
+    # A process that gave no tick in the window (or is not in the snapshots) has no kernel part.
+    assert kernel_delta({"gone": 0.0}, {}, {}) == {"gone": 0.0}
+    # A scenario's proxies sum their processes' kernel part as proxy_cpu sums their CPU; no split, no figure.
+    assert proxy_kernel("tcp", {"cpu_kernel": {"ztunnel-a": 0.25, "ztunnel-a/w0": 0.5, "client": 9.0}}) == 0.75
+    assert proxy_kernel("tcp", {"cpu": {"ztunnel-a": 1.0}}) is None
 
 
 def test_environ_reads_the_started_process() -> None:

@@ -149,6 +149,11 @@ def test_bench_smoke_workers(smoke_workers: SmokeRun) -> None:
             assert r["proxies"][name]["pss_bytes"] > 0
     connrate = [s for s in doc["samples"] if s["scenario"] == "connrate" and s["mode"] == "tcp"]
     assert all(s["metrics"]["proxy_cpu_us_per_conn"] > 0 and s["metrics"]["proxy_cores"] > 0 for s in connrate)
+    # The CPU per connection split into the kernel's part and the rest, which add up to it.
+    for s in connrate:
+        m = s["metrics"]
+        assert m["proxy_kernel_us_per_conn"] >= 0 and m["proxy_user_us_per_conn"] >= 0, m
+        assert m["proxy_kernel_us_per_conn"] + m["proxy_user_us_per_conn"] == pytest.approx(m["proxy_cpu_us_per_conn"])
     workers_found = {r["proxies"]["ztunnel-a"]["workers"] for r in records if r["workers"] == "2"}
     worker_targets = [t for t in doc["targets"] if "2 workers" in t["target"]]
     assert worker_targets

@@ -80,6 +80,11 @@ def test_every_scenario_measures_upstream_and_this_ztunnel_side_by_side(upstream
     for s in doc["samples"]:
         if s["scenario"] == "connrate":
             assert s["metrics"]["proxy_cpu_us_per_conn"] > 0, s["mode"]  # each mode's own proxies were sampled
+            # ... and its CPU split into the kernel's part and the rest (each implementation's own processes)
+            m = s["metrics"]
+            assert m["proxy_kernel_us_per_conn"] + m["proxy_user_us_per_conn"] == pytest.approx(
+                m["proxy_cpu_us_per_conn"]
+            )
             assert not s["metrics"]["errors"], s
 
 
@@ -123,3 +128,8 @@ def test_the_vs_upstream_targets_pair_each_shape_with_its_partner(upstream_run: 
     assert pss["value"] is not None and pss["value"] > 0
     assert "## Targets vs upstream ztunnel" in doc["_md"]
     assert "hbone-ns ÷ upstream" in doc["_md"] and "loop ÷ upstream-loop" in doc["_md"]
+    # Where a CPU ratio comes from: the kernel's part and user space's, each compared with upstream's.
+    assert any(
+        r["metric"] == "proxy_kernel_us_per_conn" and r["mode"] == "hbone-ns" and r["vs"] == "upstream" for r in rows
+    )
+    assert "proxy CPU µs per connection in the kernel" in doc["_md"]

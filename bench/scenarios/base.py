@@ -60,6 +60,14 @@ def proxy_cpu(mode: str, cpu: Mapping[str, float]) -> float:
     return sum(v for name, v in cpu.items() if owner(name) in path)
 
 
+def proxy_kernel(mode: str, res: Mapping[str, Any]) -> float | None:
+    """The kernel's part of :func:`proxy_cpu` (the client's ``cpu_kernel``), or None when the client sent none."""
+    kernel = res.get("cpu_kernel")
+    if kernel is None:
+        return None
+    return proxy_cpu(mode, kernel)
+
+
 def process_split(mode: str, cpu: Mapping[str, float], seconds: float) -> dict[str, Any]:
     """How the proxies on ``mode``'s path used the CPU over a window of ``seconds``: ``proxy_cores`` (CPU seconds
     per second, all their processes), the busiest proxy's cores, and for proxies with worker processes each
