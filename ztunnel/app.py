@@ -154,7 +154,9 @@ class App:
             self.state,
             self.certs,
             TlsContextCache(
-                self.config.tls12_enabled, crl_manager(self.config, self.crl_metrics, self.tasks, loaded=checked_crls)
+                self.config.tls12_enabled,
+                crl_manager(self.config, self.crl_metrics, self.tasks, loaded=checked_crls),
+                own_record_layer=not self.config.openssl_record_layer,
             ),
             self.traffic,
             self.dns_metrics,

@@ -235,6 +235,9 @@ class Config:
     # ZTUNNEL_INLINE_DATA_PLANE (this project's own): run the data plane on the control process's event loop, in
     # one process, instead of in worker_threads worker processes (debugging, and the in-process test harness).
     inline_data_plane: bool = field(default=False)
+    # ZTUNNEL_OPENSSL_RECORD_LAYER (this project's own): keep OpenSSL's TLS record layer (the ssl module's) after
+    # the handshake instead of ztunnel/proxy/hbone/records.py's, which is the default for TLS 1.3 connections.
+    openssl_record_layer: bool = field(default=False)
 
     @property
     def ztunnel_identity(self) -> Identity | None:
@@ -340,6 +343,7 @@ class Config:
             "istioVersion": self.istio_version,
             "auth": {"token": "set" if self.auth.value else None},
             "inlineDataPlane": self.inline_data_plane,
+            "opensslRecordLayer": self.openssl_record_layer,
         }
         return out
 
@@ -851,6 +855,7 @@ def from_env(
         proxy_args=" ".join(args),
         verify_source_identity=e.flag("ZTUNNEL_VERIFY_SOURCE_IDENTITY", False),
         inline_data_plane=e.flag("ZTUNNEL_INLINE_DATA_PLANE", False),
+        openssl_record_layer=e.flag("ZTUNNEL_OPENSSL_RECORD_LAYER", False),
     )
     return _validate(cfg)
 
@@ -1024,6 +1029,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(("ZTUNNEL_CA_DIR",), ("ca_dir",)),
     Setting(("ZTUNNEL_VERIFY_SOURCE_IDENTITY",), ("verify_source_identity",)),
     Setting(("ZTUNNEL_INLINE_DATA_PLANE",), ("inline_data_plane",)),
+    Setting(("ZTUNNEL_OPENSSL_RECORD_LAYER",), ("openssl_record_layer",)),
 )
 
 # Config fields no variable sets directly.

@@ -29,6 +29,7 @@ import ctypes
 import functools
 import os
 import ssl
+import threading
 from collections.abc import Collection, Sequence
 from typing import Final
 
@@ -53,6 +54,7 @@ __all__ = [
     "TlsConfigError",
     "TlsError",
     "TrustDomainMismatch",
+    "capture_traffic_secrets",
     "check_crls",
     "client_context",
     "handshake_error",
@@ -60,6 +62,7 @@ __all__ = [
     "load_crls",
     "peer_chain",
     "peer_identities",
+    "report_traffic_secrets",
     "server_context",
     "set_tls13_ciphersuites",
     "verify_client_identity",
@@ -131,10 +134,12 @@ class AlpnMismatch(TlsError):
 
 
 def server_context(
-    cert: WorkloadCertificate, *, tls12_enabled: bool = False, crls: CrlSet | None = None
+    cert: WorkloadCertificate, *, tls12_enabled: bool = False, crls: CrlSet | None = None, secrets: bool = False
 ) -> ssl.SSLContext:
     """A server context presenting ``cert`` and requiring a client certificate that chains to ``cert.roots``
-    (and, with ``crls``, that no certificate of its chain is revoked: see :func:`load_crls`).
+    (and, with ``crls``, that no certificate of its chain is revoked: see :func:`load_crls`). With ``secrets``
+    (as :func:`client_context`'s), its handshakes report their TLS 1.3 traffic secrets
+    (:func:`report_traffic_secrets`).
 
     After the handshake, call :func:`verify_client_identity` with the server's own trust domain.
     """
@@ -145,13 +150,18 @@ def server_context(
     # _configure_common) and no TLS 1.2 session-ID cache.
     ctx.num_tickets = 0
     _disable_server_session_cache(ctx)
+    if secrets:
+        report_traffic_secrets(ctx)
     return ctx
 
 
 def client_context(
-    cert: WorkloadCertificate, *, tls12_enabled: bool = False, crls: CrlSet | None = None
+    cert: WorkloadCertificate, *, tls12_enabled: bool = False, crls: CrlSet | None = None, secrets: bool = False
 ) -> ssl.SSLContext:
     """A client context presenting ``cert`` and verifying the server chain against ``cert.roots`` (and ``crls``).
+
+    With ``secrets``, its handshakes report their TLS 1.3 traffic secrets (:func:`report_traffic_secrets`), for
+    a record layer of ztunnel's own after the handshake (``ztunnel/proxy/hbone/records.py``).
 
     Connect with ``server_hostname=""`` (asyncio) or ``server_hostname=None`` (``wrap_bio``/``wrap_socket``) so
     that no SNI is sent, and never pass a ``session``: HBONE does not resume. After the handshake, call
@@ -161,6 +171,8 @@ def client_context(
     ctx.check_hostname = False  # must precede verify_mode changes; identities are checked on URI SANs instead
     ctx.verify_mode = ssl.CERT_REQUIRED
     _configure_common(ctx, cert, tls12_enabled=tls12_enabled, crls=crls)
+    if secrets:
+        report_traffic_secrets(ctx)
     return ctx
 
 
@@ -293,6 +305,8 @@ def _libssl() -> ctypes.CDLL:
     lib.X509_STORE_CTX_get_error.restype = ctypes.c_int
     lib.X509_STORE_CTX_set_error.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.X509_STORE_CTX_set_error.restype = None
+    lib.SSL_CTX_set_keylog_callback.argtypes = [ctypes.c_void_p, _KEYLOG_CB]
+    lib.SSL_CTX_set_keylog_callback.restype = None
     return lib
 
 
@@ -314,6 +328,46 @@ def _ssl_ctx_pointer(ctx: ssl.SSLContext) -> int:
             "refusing to run without the TLS 1.3 cipher suite restriction. Use CPython 3.11+"
         )
     return pointer
+
+
+# --- TLS 1.3 traffic secrets, for the HBONE record layer -------------------------------------------------------
+
+_KEYLOG_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p)
+_TRAFFIC_SECRETS: Final = (b"CLIENT_TRAFFIC_SECRET_0", b"SERVER_TRAFFIC_SECRET_0")
+_capture = threading.local()
+
+
+def _on_key_log_line(ssl_pointer: int | None, line: bytes | None) -> None:
+    # OpenSSL calls this inside SSL_do_handshake, in the thread that called it (the ssl module releases the GIL
+    # there; ctypes takes it back for this call): the handshake that thread is running is the one capturing.
+    try:
+        target = getattr(_capture, "target", None)
+        if target is None or not line:
+            return
+        label, _, rest = line.partition(b" ")
+        if label in _TRAFFIC_SECRETS:
+            target[label] = bytes.fromhex(rest.partition(b" ")[2].decode("ascii"))
+    except Exception:  # never let an exception unwind into OpenSSL; a missing secret keeps OpenSSL's records
+        return
+
+
+# Module level: OpenSSL keeps the bare function pointer, so the ctypes object must live as long as the process.
+_key_log_cb: Final = _KEYLOG_CB(_on_key_log_line)
+
+
+def report_traffic_secrets(ctx: ssl.SSLContext) -> None:
+    """Have ``ctx``'s handshakes report their TLS 1.3 application traffic secrets (OpenSSL's key-log callback,
+    ``SSL_CTX_set_keylog_callback``) to the dict that :func:`capture_traffic_secrets` set for the calling thread,
+    as ``{b"CLIENT_TRAFFIC_SECRET_0": secret, b"SERVER_TRAFFIC_SECRET_0": secret}``. Nothing is written anywhere
+    else, and a handshake run with no dict set reports nothing. (The ``ssl`` module's ``keylog_filename`` writes the
+    same lines to a file; this context then has no use for it.)"""
+    _libssl().SSL_CTX_set_keylog_callback(_ssl_ctx_pointer(ctx), _key_log_cb)
+
+
+def capture_traffic_secrets(target: dict[bytes, bytes] | None) -> None:
+    """The dict the secrets of the handshakes this thread runs from now on go to (None: nowhere). Set it around
+    ``do_handshake``; clear it after."""
+    _capture.target = target
 
 
 def set_tls13_ciphersuites(ctx: ssl.SSLContext, suites: Sequence[str]) -> None:

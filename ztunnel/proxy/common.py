@@ -147,9 +147,14 @@ class TlsContextCache:
     With ``crl`` (CRL_PATH) a context is also rebuilt when a new CRL set is loaded (its generation moved), since
     OpenSSL cannot take a CRL back out of a context's store."""
 
-    def __init__(self, tls12_enabled: bool = False, crl: CrlManager | None = None) -> None:
+    def __init__(
+        self, tls12_enabled: bool = False, crl: CrlManager | None = None, *, own_record_layer: bool = True
+    ) -> None:
         self.tls12_enabled = tls12_enabled
         self.crl = crl
+        # Contexts that report TLS 1.3 traffic secrets, so HBONE connections protect records themselves
+        # (ztunnel/proxy/hbone/records.py); False (ZTUNNEL_OPENSSL_RECORD_LAYER): OpenSSL keeps them.
+        self.own_record_layer = own_record_layer
         self._client: dict[Identity, tuple[WorkloadCertificate, int, ssl.SSLContext]] = {}
         self._server: dict[Identity, tuple[WorkloadCertificate, int, ssl.SSLContext]] = {}
 
@@ -159,7 +164,9 @@ class TlsContextCache:
         hit = self._client.get(identity)
         if hit is not None and hit[0] is cert and hit[1] == gen:
             return hit[2]
-        ctx = tls.client_context(cert, tls12_enabled=self.tls12_enabled, crls=crl.current if crl else None)
+        ctx = tls.client_context(
+            cert, tls12_enabled=self.tls12_enabled, crls=crl.current if crl else None, secrets=self.own_record_layer
+        )
         self._client[identity] = (cert, gen, ctx)
         return ctx
 
@@ -169,6 +176,8 @@ class TlsContextCache:
         hit = self._server.get(identity)
         if hit is not None and hit[0] is cert and hit[1] == gen:
             return hit[2]
-        ctx = tls.server_context(cert, tls12_enabled=self.tls12_enabled, crls=crl.current if crl else None)
+        ctx = tls.server_context(
+            cert, tls12_enabled=self.tls12_enabled, crls=crl.current if crl else None, secrets=self.own_record_layer
+        )
         self._server[identity] = (cert, gen, ctx)
         return ctx

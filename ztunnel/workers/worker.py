@@ -225,7 +225,11 @@ class Worker:
             self.state,
             self.certs,
             # Each worker watches CRL_PATH itself (ztunnel/crl.py says why); the control process checked it parses.
-            TlsContextCache(cfg.tls12_enabled, crl_manager(cfg, CrlMetrics(self.registry), self.tasks, strict=False)),
+            TlsContextCache(
+                cfg.tls12_enabled,
+                crl_manager(cfg, CrlMetrics(self.registry), self.tasks, strict=False),
+                own_record_layer=not cfg.openssl_record_layer,
+            ),
             self.traffic,
             dns_metrics,
             on_demand=self._on_demand if msg.on_demand else None,

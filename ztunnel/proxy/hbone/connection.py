@@ -6,6 +6,10 @@ transport, so that (a) decrypted bytes land directly in the HTTP/2 receive buffe
 while events are being dispatched are flushed once at the end, so a read that produces many small frames costs one
 ``transport.write``.
 
+After a TLS 1.3 handshake, the records are protected by :class:`~ztunnel.proxy.hbone.records.TlsRecords` (the same
+read/write/pending, over buffers of its own in place of the BIOs) with the traffic secrets OpenSSL reported, unless
+``ZTUNNEL_OPENSSL_RECORD_LAYER`` keeps OpenSSL's (see that module for why).
+
 Backpressure: when the TCP transport's buffer passes its high-water mark (1 MiB), every stream is told to stop
 reading its plaintext side; they resume when it drains below 256 KiB. Receive-side backpressure is HTTP/2 flow
 control (see ``core``).
@@ -27,7 +31,7 @@ import logging
 import ssl
 import time
 from collections.abc import Callable, Iterable
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 from ztunnel.config import Config
 from ztunnel.identity.spiffe import Identity
@@ -51,8 +55,10 @@ from ztunnel.proxy.hbone.core import (
     WindowOpened,
 )
 from ztunnel.proxy.hbone.reason import CloseKind, CloseReason
+from ztunnel.proxy.hbone.records import SUITES, InBuffer, OutBuffer, TlsRecords
 from ztunnel.proxy.hbone.stream import HboneStream
 from ztunnel.tasks import running_loop
+from ztunnel.tls import capture_traffic_secrets
 
 log = logging.getLogger("ztunnel.proxy.h2")
 
@@ -76,9 +82,10 @@ _DRAINED = CloseReason(CloseKind.DRAINED, "drained")
 
 
 class _TlsIO(Protocol):
-    """The C object under :class:`ssl.SSLObject` (``_ssl._SSLSocket``): what the pump calls per chunk."""
+    """The C object under :class:`ssl.SSLObject` (``_ssl._SSLSocket``), or :class:`TlsRecords`: what the pump calls
+    per chunk."""
 
-    def read(self, len: int, buffer: memoryview) -> int: ...
+    def read(self, size: int, buffer: memoryview, /) -> int: ...
     def write(self, data: bytes | bytearray | memoryview) -> int: ...
     def pending(self) -> int: ...
 
@@ -130,7 +137,9 @@ class HboneTransport(asyncio.BufferedProtocol):
         self.peer: tuple[str, int] | None = None
         self.local: tuple[str, int] | None = None
         self.ssl_object: ssl.SSLObject | None = None
-        self._tls: _TlsIO | None = None  # ssl_object's I/O methods (_tls_io), once the handshake is done
+        self._tls: _TlsIO | None = None  # ssl_object's I/O methods (_tls_io) or TlsRecords, once the handshake is done
+        self._records: TlsRecords | None = None  # the record layer of our own, when it took over from OpenSSL
+        self._secrets: dict[bytes, bytes] | None = {}  # TLS 1.3 traffic secrets, while the handshake runs
         self.peer_identity: Identity | None = None  # set once the peer's certificate was verified
         self.handshake_done = False
         self.closed = False
@@ -138,12 +147,16 @@ class HboneTransport(asyncio.BufferedProtocol):
         self.close_reason: CloseReason | None = None  # set when closed
         self.write_paused = False
         self.last_active = time.monotonic()
-        self._in_bio = ssl.MemoryBIO()
-        self._out_bio = ssl.MemoryBIO()
+        # The handshake's; replaced by the record layer's buffers when it takes over.
+        self._in_bio: ssl.MemoryBIO | InBuffer = ssl.MemoryBIO()
+        self._out_bio: ssl.MemoryBIO | OutBuffer = ssl.MemoryBIO()
         # Allocated at the first read: a connection whose peer never sends anything costs no buffer.
         self._cbuf = bytearray()
         self._cview = memoryview(self._cbuf)
         self._dispatching = False
+        # How sealed bytes go to the transport: write (OpenSSL's BIO gives one bytes object), or writelines (the
+        # record layer's parts, one writev); set when the transport is made and when the record layer takes over.
+        self._send: Callable[[Any], None] = _no_transport
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop  # the loop that made the connection (connection_made)
         self._ping_sent_at: float | None = None
@@ -155,6 +168,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
         transport = self.transport
+        self._send = transport.write
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
         # No TCP_NODELAY here: asyncio and uvloop set it on every TCP transport they make (accepted or connected),
         # and through the transport's socket it cost a getsockname and a setsockopt per connection.
@@ -170,7 +184,10 @@ class HboneTransport(asyncio.BufferedProtocol):
         if self.closed or self.ssl_object is not None:
             return
         self.ssl_object = ssl_context.wrap_bio(
-            self._in_bio, self._out_bio, server_side=not self.core.client_side, server_hostname=None
+            cast(ssl.MemoryBIO, self._in_bio),  # the handshake's BIOs (the record layer replaces them after it)
+            cast(ssl.MemoryBIO, self._out_bio),
+            server_side=not self.core.client_side,
+            server_hostname=None,
         )
         self._do_handshake()
 
@@ -181,6 +198,28 @@ class HboneTransport(asyncio.BufferedProtocol):
         return self._cview
 
     def buffer_updated(self, nbytes: int) -> None:
+        records = self._records
+        if records is not None:
+            # The record layer opens the records in place; it keeps a copy of only what a record the read cut
+            # left, before the transport reads into this buffer again.
+            # (InBuffer.borrow and keep inline: once per read.)
+            incoming = records.incoming
+            view = self._cview[:nbytes]
+            incoming.pending += nbytes
+            if incoming.buf:
+                incoming.buf += view  # a record already begun: continued in one buffer
+            else:
+                incoming.src = view
+                incoming.spos = 0
+            if nbytes == len(self._cbuf) and nbytes < _CIPHER_BUFFER_MAX:
+                self._cbuf = bytearray(nbytes * 4)  # the view borrowed keeps the old one alive
+                self._cview = memoryview(self._cbuf)
+            try:
+                self._read_tls()
+            finally:
+                if incoming.src is not None:
+                    incoming.keep()
+            return
         # A read that fills the ciphertext buffer means more is queued: grow it (16 KiB -> 256 KiB).
         if nbytes == len(self._cbuf) and nbytes < _CIPHER_BUFFER_MAX:
             self._in_bio.write(self._cview[:nbytes])
@@ -230,6 +269,7 @@ class HboneTransport(asyncio.BufferedProtocol):
 
     def _do_handshake(self) -> None:
         assert self.ssl_object is not None
+        capture_traffic_secrets(self._secrets)  # OpenSSL reports them inside do_handshake (contexts that do)
         try:
             self.ssl_object.do_handshake()
         except ssl.SSLWantReadError:
@@ -242,10 +282,12 @@ class HboneTransport(asyncio.BufferedProtocol):
             message = f"TLS handshake failed: {_ssl_reason(e)}"
             self.abort(CloseReason(CloseKind.TLS_HANDSHAKE_FAILED, message, revoked=revoked))
             return
+        finally:
+            capture_traffic_secrets(None)
         self.handshake_done = True
-        self._tls = _tls_io(self.ssl_object)
         self._cancel_timer()
-        self._flush_tls()
+        self._flush_tls()  # OpenSSL's last flight, before the record layer may replace its buffers
+        self._tls = self._take_over_records() or _tls_io(self.ssl_object)
         self._on_handshake(self)  # verifies the peer; may abort
         if self.closed:
             return
@@ -254,6 +296,35 @@ class HboneTransport(asyncio.BufferedProtocol):
         self._schedule_ping()
         if self._in_bio.pending:
             self._read_tls()
+
+    def _take_over_records(self) -> TlsRecords | None:
+        """The record layer of our own for this connection, in place of OpenSSL's: for TLS 1.3 with one of the
+        suites it knows, when the context reported the traffic secrets (none: OpenSSL's records)."""
+        secrets, self._secrets = self._secrets, None
+        sslobj = self.ssl_object
+        assert sslobj is not None
+        if not secrets or sslobj.version() != "TLSv1.3":
+            return None
+        suite = sslobj.cipher()
+        client = secrets.get(b"CLIENT_TRAFFIC_SECRET_0")
+        server = secrets.get(b"SERVER_TRAFFIC_SECRET_0")
+        if suite is None or suite[0] not in SUITES or client is None or server is None or sslobj.pending():
+            return None
+        client_side = self.core.client_side
+        records = TlsRecords(
+            suite[0], server if client_side else client, client if client_side else server, client_side=client_side
+        )
+        # Whatever came after the handshake's last record (the peer's first application records) is still in the
+        # BIO: OpenSSL reads a record at a time and stopped at the end of the handshake.
+        rest = cast(ssl.MemoryBIO, self._in_bio).read()
+        if rest:
+            records.incoming.write(rest)
+        self._in_bio = records.incoming
+        self._out_bio = records.outgoing
+        self._records = records
+        if self.transport is not None:
+            self._send = self.transport.writelines
+        return records
 
     def _on_handshake_timeout(self) -> None:
         if not self.handshake_done:
@@ -265,6 +336,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         assert sslobj is not None
         core = self.core
         in_bio = self._in_bio
+        records = self._records is not None
         self._dispatching = True
         # Room for every record this read brought, so they are decrypted into one buffer and parsed once: a 256 KiB
         # socket read is one DATA event and one write to the app, not one per 16 KiB record (70 app writes per MiB
@@ -286,9 +358,10 @@ class HboneTransport(asyncio.BufferedProtocol):
                         if n == 0:
                             break
                         got += n
-                        if not in_bio.pending and not sslobj.pending():
+                        if not in_bio.pending and (records or not sslobj.pending()):
                             # Nothing left to decrypt: asking again would only raise SSLWantReadError (~1.2 us against
                             # ~80 ns for the two checks); a request/response exchange has two such reads per round trip.
+                            # (The record layer holds plaintext only when the buffer filled, which ends this loop.)
                             break
                 except ssl.SSLWantReadError:
                     pass
@@ -333,7 +406,7 @@ class HboneTransport(asyncio.BufferedProtocol):
     def _flush_tls(self) -> None:
         data = self._out_bio.read()
         if data and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+            self._send(data)
 
     # -- events ------------------------------------------------------------------------------------------------
 
@@ -448,7 +521,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         # _flush_tls's body, inline: once per chunk sent.
         data = self._out_bio.read()
         if data and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+            self._send(data)
 
     def detach(self, stream_id: int) -> None:
         """The stream is finished: forget it (its further events are ignored); a draining connection may close."""
@@ -581,10 +654,16 @@ class HboneTransport(asyncio.BufferedProtocol):
             # What the core still holds (the answer to the stream whose end closes a draining connection, a
             # GOAWAY) goes out before close_notify, even mid-dispatch when flush() would defer it.
             pending = self.core.data_to_send()
-            if pending:
-                self.ssl_object.write(pending)
-            with contextlib.suppress(ssl.SSLError):
-                self.ssl_object.unwrap()
+            records = self._records
+            if records is not None:
+                if pending:
+                    records.write(pending)
+                records.close_notify()
+            else:
+                if pending:
+                    self.ssl_object.write(pending)
+                with contextlib.suppress(ssl.SSLError):
+                    self.ssl_object.unwrap()
             self._flush_tls()
         self._lost(reason if isinstance(reason, CloseReason) else CloseReason.aborted(reason))
         if self.transport is not None:
@@ -613,6 +692,10 @@ class HboneTransport(asyncio.BufferedProtocol):
             stream.on_connection_lost(reason)
         if self._on_closed is not None:
             self._on_closed(self)
+
+
+def _no_transport(data: Any) -> None:
+    raise RuntimeError("HBONE connection has no transport yet")
 
 
 def _format_peer(peer: tuple[str, int] | None) -> str:
