@@ -17,6 +17,7 @@ from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.spiffe import Identity
 from ztunnel.net import format_addr
 from ztunnel.proxy.hbone.reason import CloseReason
+from ztunnel.proxy.hbone.records import AVAILABLE as records_available
 from ztunnel.state import ProxyState
 from ztunnel.state.service import Service
 from ztunnel.state.upstream import ServiceDescription
@@ -154,7 +155,7 @@ class TlsContextCache:
         self.crl = crl
         # Contexts that report TLS 1.3 traffic secrets, so HBONE connections protect records themselves
         # (ztunnel/proxy/hbone/records.py); False (ZTUNNEL_OPENSSL_RECORD_LAYER): OpenSSL keeps them.
-        self.own_record_layer = own_record_layer
+        self.own_record_layer = own_record_layer and records_available
         self._client: dict[Identity, tuple[WorkloadCertificate, int, ssl.SSLContext]] = {}
         self._server: dict[Identity, tuple[WorkloadCertificate, int, ssl.SSLContext]] = {}
 

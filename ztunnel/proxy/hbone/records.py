@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
 
-__all__ = ["SUITES", "InBuffer", "OutBuffer", "RecordError", "TlsRecords", "hkdf_expand_label"]
+__all__ = ["AVAILABLE", "SUITES", "InBuffer", "OutBuffer", "RecordError", "TlsRecords", "hkdf_expand_label"]
 
 MAX_PLAINTEXT: Final = 1 << 14  # RFC 8446 §5.1: TLSInnerPlaintext.content at most 2^14 bytes
 MAX_CIPHERTEXT: Final = MAX_PLAINTEXT + 256  # §5.2: a record's length at most 2^14 + 256
@@ -55,6 +55,10 @@ SUITES: Final[dict[str, tuple[type[hashes.HashAlgorithm], int]]] = {
     "TLS_AES_256_GCM_SHA384": (hashes.SHA384, 32),
     "TLS_AES_128_GCM_SHA256": (hashes.SHA256, 16),
 }
+
+# decrypt_into (opening a record straight into the HTTP/2 buffer) is in recent cryptography releases (the image pins
+# 50.0.2); without it HBONE connections keep OpenSSL's record layer (ztunnel.proxy.common.TlsContextCache).
+AVAILABLE: Final = hasattr(AESGCM, "decrypt_into")
 
 _HEADER: Final = struct.Struct("!BHH").pack  # content type, legacy version 0x0303, length
 _FULL_HEADER: Final = _HEADER(APPLICATION_DATA, 0x0303, MAX_PLAINTEXT + 1 + TAG)
