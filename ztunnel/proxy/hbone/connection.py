@@ -305,6 +305,10 @@ class HboneTransport(asyncio.BufferedProtocol):
         assert sslobj is not None
         if not secrets or sslobj.version() != "TLSv1.3":
             return None
+        if not self.core.client_side and sslobj.context.num_tickets:
+            # A server sending tickets sealed them under its first write key inside the handshake: the sequence
+            # number would not start at 0 (ztunnel's server contexts send none: tls.server_context).
+            return None
         suite = sslobj.cipher()
         client = secrets.get(b"CLIENT_TRAFFIC_SECRET_0")
         server = secrets.get(b"SERVER_TRAFFIC_SECRET_0")
