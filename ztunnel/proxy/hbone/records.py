@@ -34,6 +34,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
 
+from ztunnel.errors import ZtunnelError
+
 __all__ = ["AVAILABLE", "SUITES", "InBuffer", "OutBuffer", "RecordError", "TlsRecords", "hkdf_expand_label"]
 
 MAX_PLAINTEXT: Final = 1 << 14  # RFC 8446 §5.1: TLSInnerPlaintext.content at most 2^14 bytes
@@ -92,9 +94,9 @@ _HEADER: Final = struct.Struct("!BHH").pack  # content type, legacy version 0x03
 _FULL_HEADER: Final = _HEADER(APPLICATION_DATA, 0x0303, MAX_PLAINTEXT + 1 + TAG)
 
 
-class RecordError(ssl.SSLError):
+class RecordError(ssl.SSLError, ZtunnelError):
     """A record this layer cannot accept (the connection ends): an ``ssl.SSLError`` with a ``reason``, as the
-    connection reports OpenSSL's."""
+    connection reports OpenSSL's (and a ZtunnelError, as every error the project defines)."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(1, reason)
