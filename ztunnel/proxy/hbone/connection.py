@@ -201,8 +201,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         records = self._records
         if records is not None:
             # The record layer opens the records in place; it keeps a copy of only what a record the read cut
-            # left, before the transport reads into this buffer again.
-            # (InBuffer.borrow and keep inline: once per read.)
+            # left, before the transport reads into this buffer again (InBuffer.keep, called only then).
             incoming = records.incoming
             view = self._cview[:nbytes]
             incoming.pending += nbytes

@@ -3,12 +3,14 @@
 Why: Python's ``ssl`` protects records with the OpenSSL it is linked against, through memory BIOs. On these
 machines that is OpenSSL 3.0, whose AES-256-GCM runs at ~3.2 GB/s per core for 16 KiB records (``openssl speed``),
 and every byte is copied into a BIO and out of it again on each side. The ``cryptography`` wheel carries its own,
-newer OpenSSL (4.0 here), whose AES-GCM uses VAES/AVX-512: ``AESGCM.encrypt`` seals a 16 KiB record at ~8.7 GB/s,
-and ``encrypt_into``/``decrypt_into`` write straight into the buffers the connection already has. OpenSSL (the
-``ssl`` module) still does the whole handshake, the certificate checks and everything before the first
-application record; this module takes over only the record protection of RFC 8446 §5.2-5.5 from there on, with
-the traffic secrets OpenSSL reports through its key-log callback (``ztunnel.tls.TrafficSecrets``) - what kernel
-TLS does with the keys a TLS library negotiated.
+newer OpenSSL (4.0 here), whose AES-GCM uses VAES/AVX-512: ``AESGCM.encrypt`` seals a 16 KiB record at ~8.7 GB/s
+into a new ``bytes`` (not zeroed first) that goes to the transport as it is, and ``decrypt_into`` opens a record
+straight from the socket read into the HTTP/2 receive buffer. OpenSSL (the ``ssl`` module) still does the whole
+handshake, the certificate checks and everything before the first application record; this module takes over only
+the record protection of RFC 8446 §5.2-5.5 from there on, with the traffic secrets OpenSSL reports through its
+key-log callback (``ztunnel.tls.report_traffic_secrets``) - what kernel TLS does with the keys a TLS library
+negotiated. Per Gbit that is a third less user-space CPU for the proxies; per small record a few Python lines
+around each AEAD call cost more than OpenSSL's C loop (+5-10 % per 64 B round trip, measured: docs/performance.md).
 
 Bytes in, bytes out: received ciphertext goes into :attr:`TlsRecords.incoming` (``write``, ``pending``, like an
 ``ssl.MemoryBIO``), :meth:`TlsRecords.read` decrypts whole records into the caller's buffer; :meth:`TlsRecords.write`
@@ -137,9 +139,10 @@ class _Keys:
 
 
 class InBuffer:
-    """Received ciphertext not yet decrypted: ``write`` and ``pending`` as ``ssl.MemoryBIO``'s, and
-    :meth:`borrow`/:meth:`keep` to decrypt a socket read in place: the records of a read are opened straight from the
-    transport's buffer, and only the tail of a record the read cut is copied (ciphertext went into a BIO whole)."""
+    """Received ciphertext not yet decrypted: ``write`` and ``pending`` as ``ssl.MemoryBIO``'s, and a socket read
+    lent in place (``src``, set by ``HboneTransport.buffer_updated`` when nothing is held, with ``pending`` raised by
+    its size): its records are opened straight from the transport's buffer, and :meth:`keep` copies only the tail of
+    a record the read cut, before that buffer is read into again (ciphertext went into a BIO whole)."""
 
     __slots__ = ("buf", "pending", "pos", "spos", "src")
 
@@ -154,15 +157,6 @@ class InBuffer:
         self.buf += data
         self.pending += len(data)
         return len(data)
-
-    def borrow(self, view: memoryview) -> None:
-        """Decrypt from ``view`` in place until :meth:`keep`, which must be called before its buffer is reused."""
-        self.pending += len(view)
-        if self.buf:
-            self.buf += view  # a record already begun: continue it in one buffer
-        else:
-            self.src = view
-            self.spos = 0
 
     def keep(self) -> None:
         """Copy what is left of the borrowed view (a record it ends inside of) and let the view go."""
