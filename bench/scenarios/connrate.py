@@ -37,16 +37,16 @@ class ConnRate(DataScenario):
             ctx.recorder.failed("connrate", case, mode, rep, e)
             return
         cpu = proxy_cpu(mode, res["cpu"])
-        kernel = proxy_kernel(mode, res)
         n = res["connections"]
+        kernel = proxy_kernel(mode, res) if cpu > 0 and n else None
         metrics = {
             "rate": res["rate"],
             "conn_per_cpu_s": res["connections"] / cpu if cpu > 0 else None,
             "proxy_cpu_us_per_conn": cpu / n * 1e6 if cpu > 0 and n else None,
             # Where that CPU went: the proxies' system calls (and the loopback TCP work the kernel does in them) or
             # their own code; the same split for upstream tells which of the two a ratio comes from.
-            "proxy_kernel_us_per_conn": kernel / n * 1e6 if kernel is not None and cpu > 0 and n else None,
-            "proxy_user_us_per_conn": (cpu - kernel) / n * 1e6 if kernel is not None and cpu > 0 and n else None,
+            "proxy_kernel_us_per_conn": kernel / n * 1e6 if kernel is not None else None,
+            "proxy_user_us_per_conn": (cpu - kernel) / n * 1e6 if kernel is not None else None,
             "connections": res["connections"],
             "proxy_cpu_s": round(cpu, 3),
             "conn_p50_us": res["conn_us"].get("p50"),

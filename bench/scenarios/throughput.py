@@ -39,16 +39,15 @@ class Throughput(DataScenario):
             rec.failed("throughput", case, mode, rep, e)
             return
         cpu = proxy_cpu(mode, res["cpu"])
-        kernel = proxy_kernel(mode, res)
         gbit = res["bytes"] * 8 / 1e9
-        split = kernel is not None and cpu > 0 and gbit > 0
+        kernel = proxy_kernel(mode, res) if cpu > 0 and gbit > 0 else None
         per_stream = res["per_stream_gbps"]
         metrics: dict[str, Any] = {
             "gbps": res["gbps"],
             "gbit_per_cpu_s": gbit / cpu if cpu > 0 else None,
             "proxy_cpu_s_per_gbit": cpu / gbit if cpu > 0 and gbit > 0 else None,
-            "proxy_kernel_cpu_s_per_gbit": kernel / gbit if split and kernel is not None else None,
-            "proxy_user_cpu_s_per_gbit": (cpu - kernel) / gbit if split and kernel is not None else None,
+            "proxy_kernel_cpu_s_per_gbit": kernel / gbit if kernel is not None else None,
+            "proxy_user_cpu_s_per_gbit": (cpu - kernel) / gbit if kernel is not None else None,
             "proxy_cpu_s": round(cpu, 3),
             "seconds": res["seconds"],
             "bytes": res["bytes"],

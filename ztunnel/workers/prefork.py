@@ -55,8 +55,6 @@ def _warm_up_tls() -> None:
     from ztunnel import tls
     from ztunnel.identity.ca import LocalCA
     from ztunnel.identity.spiffe import Identity
-    from ztunnel.proxy.hbone.records import AVAILABLE as records_available
-    from ztunnel.proxy.hbone.records import TlsRecords
     from ztunnel.workers.protocol import CertificateData
 
     try:
@@ -64,28 +62,14 @@ def _warm_up_tls() -> None:
         cert = CertificateData.of(ca.issue(Identity("warm-up.invalid", "ns", "sa"), timedelta(minutes=5)))
         workload = cert.certificate()  # the way a worker gets its certificates: PEM from the control process
         bios = [ssl.MemoryBIO() for _ in range(4)]
-        client_ctx = tls.client_context(workload, secrets=records_available)
-        client = client_ctx.wrap_bio(bios[0], bios[1], server_side=False, server_hostname=None)
-        server = tls.server_context(workload, secrets=records_available).wrap_bio(bios[2], bios[3], server_side=True)
-        secrets: dict[bytes, bytes] = {}
+        client = tls.client_context(workload).wrap_bio(bios[0], bios[1], server_side=False, server_hostname=None)
+        server = tls.server_context(workload).wrap_bio(bios[2], bios[3], server_side=True)
         for _ in range(4):  # TLS 1.3 with a client certificate: done in two round trips
             for end in (client, server):
-                tls.capture_traffic_secrets(secrets if end is client else None)
-                try:
-                    with contextlib.suppress(ssl.SSLWantReadError):
-                        end.do_handshake()
-                finally:
-                    tls.capture_traffic_secrets(None)
+                with contextlib.suppress(ssl.SSLWantReadError):
+                    end.do_handshake()
             bios[2].write(bios[1].read())
             bios[0].write(bios[3].read())
-        suite = client.cipher()
-        if records_available and suite is not None and len(secrets) == 2:
-            # And the record layer's AES-GCM and HKDF (cryptography's own OpenSSL sets up its tables on first use).
-            secret = secrets[b"CLIENT_TRAFFIC_SECRET_0"]  # one secret both ways: it reads what it wrote
-            ours = TlsRecords(suite[0], secret, secret, client_side=False)
-            ours.write(b"warm-up")
-            ours.incoming.write(b"".join(ours.outgoing.read()))
-            ours.read(64, memoryview(bytearray(64)))
     except Exception as e:  # only memory is at stake: say so and go on
         log.debug("TLS warm-up before forking the workers failed: %s", e)
 

@@ -156,7 +156,7 @@ class HboneTransport(asyncio.BufferedProtocol):
         self._dispatching = False
         # How sealed bytes go to the transport: write (OpenSSL's BIO gives one bytes object), or writelines (the
         # record layer's parts, one writev); set when the transport is made and when the record layer takes over.
-        self._send: Callable[[Any], None] = _no_transport
+        self._send: Callable[[Any], None]
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop  # the loop that made the connection (connection_made)
         self._ping_sent_at: float | None = None
@@ -695,10 +695,6 @@ class HboneTransport(asyncio.BufferedProtocol):
             stream.on_connection_lost(reason)
         if self._on_closed is not None:
             self._on_closed(self)
-
-
-def _no_transport(data: Any) -> None:
-    raise RuntimeError("HBONE connection has no transport yet")
 
 
 def _format_peer(peer: tuple[str, int] | None) -> str:

@@ -251,7 +251,7 @@ class TlsRecords:
         n = len(view)
         records = (n + MAX_PLAINTEXT - 1) >> 14
         if self._write.seq + records >= KEY_UPDATE_AFTER:
-            self._update_write_keys(requested=False)  # before these records, so they go out after the KeyUpdate
+            self._update_write_keys()  # before these records, so they go out after the KeyUpdate
         keys = self._write
         encrypt = keys.aead.encrypt
         iv, seq = keys.iv, keys.seq
@@ -286,12 +286,13 @@ class TlsRecords:
             keys.seq = seq
         self.outgoing.pending += n + records * (5 + 1 + TAG)
 
-    def _update_write_keys(self, *, requested: bool) -> None:
-        """Send a KeyUpdate (§4.6.3) under the current write key, then move to the next one."""
-        message = bytes((KEY_UPDATE, 0, 0, 1, 1 if requested else 0)) + bytes((HANDSHAKE,))
+    def _update_write_keys(self) -> None:
+        """Send a KeyUpdate (§4.6.3, update_not_requested: the peer's keys are its own business) under the current
+        write key, then move to the next one."""
+        message = bytes((KEY_UPDATE, 0, 0, 1, 0, HANDSHAKE))  # the message, then its record's content type
         keys = self._write
         length = len(message) + TAG
-        header = bytes((APPLICATION_DATA, 3, 3, length >> 8, length & 0xFF))
+        header = _HEADER(APPLICATION_DATA, 0x0303, length)
         self.outgoing.chunks += (header, keys.aead.encrypt(keys.nonce(), message, header))
         self.outgoing.pending += 5 + length
         self._write = keys.updated()
@@ -396,14 +397,13 @@ class TlsRecords:
             raise
         finally:
             keys.seq = seq
+            inb.pending = end - pos  # a lent read is the only input while it is lent (nothing is held then)
             if src is not None:
                 if pos == end:
                     inb.src = None  # all of the read taken: nothing for keep() to copy
                 else:
                     inb.spos = pos
-                inb.pending = len(inb.buf) - inb.pos + end - pos
             else:
-                inb.pending = end - pos
                 cast(memoryview, dv).release()  # the buffer may be resized now (no slice of it outlives its call)
                 buf = inb.buf
                 if pos == end:
@@ -457,5 +457,5 @@ class TlsRecords:
                     raise RecordError("NOT_ON_RECORD_BOUNDARY: handshake data after a KeyUpdate")  # §5.1
                 self._read = self._read.updated()
                 if body[0] == 1:
-                    self._update_write_keys(requested=False)
+                    self._update_write_keys()
             # A NewSessionTicket: HBONE never resumes a session.
