@@ -27,7 +27,7 @@ from ztunnel.state import ProxyState
 from ztunnel.state.workload import NamespacedHostname, NetworkAddress
 from ztunnel.tasks import TaskGroup
 from ztunnel.testing.control_plane import control_plane, wait_until, ztunnel_env
-from ztunnel.xds.client import AdsClient, ConnectionTerminationReason, _FirstStatus
+from ztunnel.xds.client import AdsClient, ConnectionTerminationReason, _FirstStatus, _is_reconnect
 from ztunnel.xds.types import ADDRESS_TYPE
 from ztunnel.xds.updater import AddressHandler, AuthorizationHandler
 
@@ -201,6 +201,27 @@ async def test_reconnect_after_restart_echoes_versions_and_keeps_state(cp: XdsSe
         assert node.state.workloads.find_uid("c1//v1/Pod/ns/a2") is not None
         # Backoff after connection errors is at most a few hundred ms this early in the outage.
         assert reconnect < 2.0
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "reconnect"),
+    [
+        # The wordings gRPC core gave when a control plane stopped under a healthy stream (seen in these tests).
+        (grpc.StatusCode.UNAVAILABLE, "Stream removed (sendmsg: Broken pipe (32))", True),
+        (grpc.StatusCode.UNAVAILABLE, "Socket closed", True),
+        (grpc.StatusCode.UNAVAILABLE, "Cancelling all calls", True),
+        (grpc.StatusCode.UNAVAILABLE, "received prior goaway: code: NO_ERROR", True),
+        (grpc.StatusCode.UNKNOWN, "anything", True),
+        (grpc.StatusCode.CANCELLED, None, True),
+        # A server that answers with an error is not a transport going away: it backs off.
+        (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses", False),
+        (grpc.StatusCode.PERMISSION_DENIED, "authentication failure", False),
+        (grpc.StatusCode.INTERNAL, "stream removed", False),
+    ],
+)
+def test_transport_closed_is_a_reconnect(code: grpc.StatusCode, details: str | None, reconnect: bool) -> None:
+    error = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+    assert _is_reconnect(error) is reconnect
 
 
 async def test_connection_errors_back_off_doubling() -> None:

@@ -369,7 +369,9 @@ _ADS_METHOD = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggre
 
 # Substrings of UNAVAILABLE messages that mean "the transport went away under a healthy stream": upstream's
 # (from hyper/h2) and gRPC core's wording of the same events.
-# "Cancelling all calls" is the GOAWAY debug text of a gRPC-core server shutting down.
+# "Cancelling all calls" is the GOAWAY debug text of a gRPC-core server shutting down; "Stream removed" is gRPC
+# core's text when the server's socket closed as the client wrote (seen as "Stream removed (sendmsg: Broken pipe
+# (32))" when a control plane stops mid-stream, the same event as "socket closed" a few ms later).
 _TRANSPORT_CLOSED = (
     "transport is closing",
     "received prior goaway",
@@ -377,6 +379,7 @@ _TRANSPORT_CLOSED = (
     "cancelling all calls",
     "socket closed",
     "connection reset",
+    "stream removed",
 )
 _RECONNECT_CODES = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
