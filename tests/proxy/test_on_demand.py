@@ -77,8 +77,9 @@ async def test_unanswered_demand_is_bounded(
 
 
 async def test_client_demand_is_shared_and_cancellable() -> None:
-    # Not connected: demands queue for the next stream. Two callers for one name make one request; a caller that
-    # gives up leaves no waiter behind, and the name stays pending (a reconnect asks again).
+    # Not connected: a demand is recorded for the next stream's initial request (no version). Two callers for one
+    # name make one record; a caller that gives up leaves no waiter behind, and the name stays pending (a reconnect
+    # asks again).
     cfg = from_env(
         {
             "XDS_ADDRESS": "https://127.0.0.1:1",
@@ -94,7 +95,9 @@ async def test_client_demand_is_shared_and_cancellable() -> None:
     first = tasks.spawn(client.demand(ADDRESS_TYPE, str(UNKNOWN)), "first")
     second = tasks.spawn(client.demand(ADDRESS_TYPE, str(UNKNOWN)), "second")
     await asyncio.sleep(0)
-    assert [list(r.resource_names_subscribe) for r in client._queued_demands] == [["/10.96.0.1"]]
+    (initial_address, _authorization) = client.core.initial_requests()
+    assert dict(initial_address.initial_resource_versions) == {"/10.96.0.1": ""}
+    assert client.core.pending_demands == {ResourceKey(ADDRESS_TYPE, "/10.96.0.1")}
     first.cancel()
     with pytest.raises(asyncio.CancelledError):
         await first

@@ -203,6 +203,27 @@ async def test_reconnect_after_restart_echoes_versions_and_keeps_state(cp: XdsSe
         assert reconnect < 2.0
 
 
+async def test_a_demand_made_while_disconnected_is_subscribed_once_on_the_next_stream(cp: XdsServer) -> None:
+    """As upstream: a name demanded while no stream is up is recorded with no version and listed in the next stream's
+    initial_resource_versions, which subscribes it (istiod's deltaWatchedResources); it is not also sent as an
+    explicit subscribe, a request that changes no subscription (istiod checks for those)."""
+    env = ztunnel_env(cp, XDS_ON_DEMAND="true", ISTIO_META_DNS_CAPTURE="false")
+    async with running(env) as node:
+        await wait_until(lambda: node.readiness.ready, 5)
+        await cp.stop()
+        await wait_until(lambda: sum(node.client.terminations.values()) >= 1, 5)
+        demand = asyncio.ensure_future(node.client.demand(ADDRESS_TYPE, "c1//v1/Pod/ns/b"))  # noqa: TID251
+        await asyncio.sleep(0.05)
+        assert not demand.done()
+        await cp.start()
+        await asyncio.wait_for(demand, 5)
+        assert node.state.workloads.find_uid("c1//v1/Pod/ns/b") is not None
+        session = cp.sessions[-1]
+        assert session.initial_versions[ADDRESS_TYPE] == {"c1//v1/Pod/ns/b": ""}
+        await asyncio.sleep(0.2)  # anything the client would still send after its initial requests
+        assert session.unchanged_requests == []
+
+
 @pytest.mark.parametrize(
     ("code", "details", "reconnect"),
     [
@@ -217,6 +238,9 @@ async def test_reconnect_after_restart_echoes_versions_and_keeps_state(cp: XdsSe
         (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses", False),
         (grpc.StatusCode.PERMISSION_DENIED, "authentication failure", False),
         (grpc.StatusCode.INTERNAL, "stream removed", False),
+        # A GOAWAY that pushes back (ENHANCE_YOUR_CALM) is an Error with backoff, as tonic's RESOURCE_EXHAUSTED.
+        (grpc.StatusCode.UNAVAILABLE, "GOAWAY received; Error code: 11; Debug data: too_many_pings", False),
+        (grpc.StatusCode.UNAVAILABLE, "GOAWAY received; Error code: 0; Debug data: max_age", True),
     ],
 )
 def test_transport_closed_is_a_reconnect(code: grpc.StatusCode, details: str | None, reconnect: bool) -> None:

@@ -382,6 +382,10 @@ _TRANSPORT_CLOSED = (
     "stream removed",
 )
 _RECONNECT_CODES = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+# A GOAWAY with ENHANCE_YOUR_CALM (gRPC core: "GOAWAY received; Error code: 11; Debug data: too_many_pings") is the
+# server pushing back, not a transport going away: upstream's tonic reports it as RESOURCE_EXHAUSTED, an Error that
+# backs off, so it is not retried after 10 ms here either.
+_PUSHBACK = ("error code: 11", "too_many_pings", "enhance_your_calm")
 
 
 def _is_reconnect(e: grpc.aio.AioRpcError) -> bool:
@@ -389,7 +393,11 @@ def _is_reconnect(e: grpc.aio.AioRpcError) -> bool:
     if code in _RECONNECT_CODES:
         return True
     details = (e.details() or "").lower()
-    return code == grpc.StatusCode.UNAVAILABLE and any(s in details for s in _TRANSPORT_CLOSED)
+    return (
+        code == grpc.StatusCode.UNAVAILABLE
+        and any(s in details for s in _TRANSPORT_CLOSED)
+        and not any(s in details for s in _PUSHBACK)
+    )
 
 
 def _describe(code: grpc.StatusCode, details: str | None) -> str:
@@ -465,7 +473,6 @@ class AdsClient:
         self.last_error: str | None = None
         self.backoff = INITIAL_BACKOFF
         self._outgoing: asyncio.Queue[pb.DeltaDiscoveryRequest] | None = None
-        self._queued_demands: list[pb.DeltaDiscoveryRequest] = []
         self._demand_waiters: dict[ResourceKey, list[asyncio.Future[None]]] = {}
         # type URL -> [responses, resource payload bytes] (upstream istio_xds_message_total / _bytes_total).
         self.messages: dict[str, list[int]] = {}
@@ -489,10 +496,11 @@ class AdsClient:
         req = self.core.demand(type_url, name)
         if req is not None:
             log.info("received on demand request %s", key)
+            # With no stream up, the core's record of the name (no version) is what asks for it: the next stream's
+            # initial request lists it in initial_resource_versions, which subscribes it (as upstream). Asking again
+            # explicitly would be a request that changes no subscription, which istiod checks for.
             if self._outgoing is not None:
                 self._outgoing.put_nowait(req)
-            else:
-                self._queued_demands.append(req)
         try:
             await fut
         finally:
@@ -553,9 +561,6 @@ class AdsClient:
                 "sending initial request type_url=%s resources=%d", req.type_url, len(req.initial_resource_versions)
             )
             outgoing.put_nowait(req)
-        for req in self._queued_demands:
-            outgoing.put_nowait(req)
-        self._queued_demands.clear()
 
         established = False
         stream_tasks = TaskGroup("xds-stream")
@@ -597,13 +602,9 @@ class AdsClient:
                 raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details) from None
             raise
         finally:
+            # Demands not answered on this stream stay in the core's known resources with no version, so the next
+            # stream's initial request asks for them again (as upstream), and only there.
             self._outgoing = None
-            # Demands sent on this stream and not answered yet are asked again on the next one (upstream only
-            # lists them, versionless, in initial_resource_versions; asking explicitly cannot hurt).
-            self._queued_demands.extend(
-                pb.DeltaDiscoveryRequest(type_url=k.type_url, resource_names_subscribe=[k.name])
-                for k in sorted(self.core.pending_demands, key=str)
-            )
             await stream_tasks.cancel_all(timeout=1.0)
             if call is not None:
                 call.cancel()

@@ -261,6 +261,9 @@ class DeltaSession:
         self.acks: list[tuple[str, str]] = []
         self.nacks: list[Nack] = []
         self.initial_versions: dict[str, dict[str, str]] = {}
+        # Requests without a nonce that change no subscription, which istiod checks for (delta.go: a spontaneous
+        # request is a subscription change) and reports; recorded and logged here, still answered as before.
+        self.unchanged_requests: list[pb.DeltaDiscoveryRequest] = []
         self._nonces = itertools.count(1)
 
     def on_request(self, req: pb.DeltaDiscoveryRequest) -> list[pb.DeltaDiscoveryResponse]:
@@ -296,6 +299,7 @@ class DeltaSession:
             return [self._diff(type_url, sub, explicit=explicit)]
         if not subscribe and not unsubscribe:
             return []
+        before = (sub.wildcard, frozenset(sub.names))
         if "*" in subscribe:
             sub.wildcard = True
         if "*" in unsubscribe:
@@ -303,6 +307,16 @@ class DeltaSession:
         new = {n for n in subscribe if n != "*"}
         sub.names |= new
         sub.names -= set(unsubscribe)
+        if not req.response_nonce and (sub.wildcard, frozenset(sub.names)) == before:
+            self.unchanged_requests.append(req)
+            log.warning(
+                "request from %s (%s) for %s changes no subscription (subscribe %s, unsubscribe %s)",
+                self.node_id,
+                self.peer,
+                type_url,
+                subscribe,
+                unsubscribe,
+            )
         for name in unsubscribe:
             sub.sent.pop(name, None)
         out = self._diff(type_url, sub, explicit=new)
