@@ -117,8 +117,9 @@ class App:
             # No control plane at all: upstream releases the state readiness at once.
             state_ready.release()
         else:
-            # Delta ADS to istiod: the client releases "state manager" after the first ACK of both types; the
-            # proxies start meanwhile, as upstream (a connection waits for its workload to appear).
+            # Delta ADS to istiod: the client releases "state manager" after the first ACK of both types. The
+            # proxies bind meanwhile but accept only after it, as upstream's accept loops wait on the first sync
+            # (app.rs: xds_rx.changed()): no connection is routed or authorized against a partial state.
             from ztunnel.control import ControlPlaneError, load_root_pem
             from ztunnel.xds.client import AdsClient
             from ztunnel.xds.updater import AddressHandler, AuthorizationHandler
@@ -149,6 +150,7 @@ class App:
             await self._start_workers(state_ready)
             await self._start_admin()
             return
+        synced = state_ready.released.is_set()
         self.factory = ProxyFactory(
             self.config,
             self.state,
@@ -168,30 +170,46 @@ class App:
             self.dns_proxy = self.factory.dns(LocalWorkload(self.state, info), self.factory.host_sockets(), False)
             if self.dns_proxy is not None:
                 dns_ready = self.readiness.register("dns proxy")
-                await self.dns_proxy.start()
+                await self.dns_proxy.start(synced)
                 dns_ready.release()
             if self.config.enable_proxy:
                 proxy_ready = self.readiness.register("proxy")
                 self.proxy = self.factory.dedicated(info, self.drain)
                 if self.proxy.socks5 is not None and self.dns_proxy is not None:
                     self.proxy.socks5.resolve = self.dns_proxy.resolve  # SOCKS5 names resolve here, as upstream
-                await self.proxy.start()
+                await self.proxy.start(synced)
                 proxy_ready.release()
         elif self.config.proxy_mode is ProxyMode.SHARED:
             self.self_proxy = self.factory.self_proxy(self.drain)
             if self.self_proxy is not None:
-                await self.self_proxy.start()
+                await self.self_proxy.start(synced)
             self._start_inpod(state_ready, self.factory)
+        if not synced:
+            self.tasks.spawn(self._serve_after_sync(state_ready), "serve after the first xDS sync")
         # Bytes of long-lived connections reach the counters every 5 s, for every proxy (in-pod: every pod's).
         self.tasks.spawn(flush_periodically(self._all_connections, self.traffic), "metrics flush")
         await self._start_admin()
+
+    async def _serve_after_sync(self, state_ready: BlockReady) -> None:
+        """The inline proxies' listeners start accepting once the first xDS sync is in (see :meth:`start`)."""
+        await state_ready.released.wait()
+        for server in (self.dns_proxy, self.proxy, self.self_proxy):
+            if server is not None:
+                await server.serve()
+        log.debug("xDS synced: the proxies accept connections")
 
     async def _start_workers(self, state_ready: BlockReady) -> None:
         """The data plane in ``worker_threads`` worker processes (ztunnel/workers/): this process keeps the state,
         the certificates, ZDS and the admin, stats and readiness servers, and never carries a tunnel's bytes."""
         assert self.certs is not None and self.stats_server is not None
         supervisor = self.supervisor = Supervisor(
-            self.config, self.state, self.certs, self.readiness, on_demand=self._on_demand(), prefork=self.prefork
+            self.config,
+            self.state,
+            self.certs,
+            self.readiness,
+            on_demand=self._on_demand(),
+            prefork=self.prefork,
+            synced=state_ready.released,
         )
         registry = self.registry
 

@@ -194,14 +194,18 @@ class SelfProxy:
         # Not a captured listener: no IP_TRANSPARENT (never spoofs the client toward ztunnel's own ports).
         self.inbound.captured = False
 
-    async def start(self) -> None:
-        await self.inbound.start()
+    async def start(self, serve: bool = True) -> None:
+        """Bind the listener; accept at once with ``serve``, else from :meth:`serve` on."""
+        await self.inbound.start(serve)
         self.policy_watcher.start()
         log.info(
             "ztunnel self-proxy listener (identity %s) on %s",
             self.pi.config.ztunnel_identity,
             format_addr(*self.inbound.address),
         )
+
+    async def serve(self) -> None:
+        await self.inbound.serve()
 
     async def stop(self, graceful: bool, deadline: float) -> None:
         """Stop accepting; GOAWAY the open connections; close what is left at ``deadline`` (or now)."""

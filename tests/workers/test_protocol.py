@@ -41,6 +41,7 @@ def sample_messages() -> list[p.Message]:
     return [
         p.Start(1, from_env({"PROXY_CONFIG": '{"concurrency": 3}'}), on_demand=True, load_board=True),
         p.snapshot_of(two_node_state()),
+        p.Serve(),
         p.Delta(7, update),
         p.CertificatePush(IDENTITY, data),
         p.CertificatePush(IDENTITY, None),

@@ -111,8 +111,14 @@ async def test_serves_after_its_snapshot_and_resyncs_on_a_gap(worker: tuple[Cont
     snap = p.snapshot_of(state_of(m))
     snap.generation = 5
     control.channel.send(snap)
-    assert await control.next() == p.Ready(5)
-    _, w = await asyncio.open_connection(m.node_b, 15008)  # serving now
+    assert await control.next() == p.Ready(5)  # bound (a port in use would be Failed), not accepting yet
+    # Until Serve (the control process's first xDS sync) a connection waits in the backlog; once served, the worker
+    # accepts it, and the handshake makes it ask for its certificate.
+    _, w = await asyncio.open_connection(m.node_b, 15008)
+    with pytest.raises(TimeoutError):
+        await control.next(timeout=0.5)  # not accepted: nothing asked
+    control.channel.send(p.Serve())
+    assert isinstance(await control.next(), p.CertificateRequest)
     w.close()
 
     control.channel.send(p.Delta(6, StateUpdate()))  # the next batch: applied
@@ -148,6 +154,7 @@ async def test_a_certificate_is_asked_for_once_and_replaced_when_pushed(
     control, m = worker
     control.channel.send(p.Start(0, from_env(m.env_b(ZTUNNEL_WORKER_THREADS="1"))))
     control.channel.send(p.snapshot_of(state_of(m)))
+    control.channel.send(p.Serve())
     assert isinstance(await control.next(), p.Ready)
     ca = LocalCA.generate("cluster.local")
     roots = ca.root_cert.public_bytes(Encoding.PEM).decode()
@@ -189,6 +196,7 @@ async def test_a_handed_in_connection_is_served_and_never_handed_on(worker: tupl
     cfg = from_env(m.env_b(ZTUNNEL_WORKER_THREADS="2"))
     control.channel.send(p.Start(0, cfg, load_board=True), [board.fd])
     control.channel.send(p.snapshot_of(state_of(m)))
+    control.channel.send(p.Serve())
     assert isinstance(await control.next(), p.Ready)
     board.set_up(1, True)  # a worker 1, idle: by the counts, everything after this worker's first belongs there
     others: asyncio.Queue[p.Message] = asyncio.Queue()

@@ -141,6 +141,28 @@ def cp_host(m: TwoNodeMesh) -> str:
 # -- down at start -----------------------------------------------------------------------------------------------
 
 
+async def test_inline_listeners_accept_only_after_the_first_sync(tmp_path: Path, nodes: list[ZtunnelProcess]) -> None:
+    """The one-process model too (ZTUNNEL_INLINE_DATA_PLANE=true): bound at start, accepting once xDS is in."""
+    m = TwoNodeMesh(tmp_path)
+    xds = XdsServer.from_ca_dir(tmp_path / "cp-ca", listen=f"{cp_host(m)}:15012", tokens=TOKENS)
+    xds.set_config(m.config.read_text())
+    env = cp_env(m.env_a(ZTUNNEL_INLINE_DATA_PLANE="true"), xds, xds, "tok-a")
+    a = ZtunnelProcess(env, tmp_path / "a.log").start(wait_ready=False)
+    nodes.append(a)
+    try:
+        await wait_until(lambda: readiness(m.node_a) == (500, "not ready, pending: state manager\n"), 20, 0.05)
+        r, w = await asyncio.open_connection(m.node_a, 15080)
+        w.write(b"\x05\x01\x00")
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(r.readexactly(2), 0.5)
+        await xds.start()
+        assert await asyncio.wait_for(r.readexactly(2), 10) == b"\x05\x00"
+        w.close()
+        await wait_until(lambda: readiness(m.node_a) == (200, "ready\n"), 5, 0.05)
+    finally:
+        await xds.stop()
+
+
 async def test_control_plane_and_ca_down_at_start(tmp_path: Path, nodes: list[ZtunnelProcess]) -> None:
     m = TwoNodeMesh(tmp_path)
     host = cp_host(m)
@@ -157,6 +179,12 @@ async def test_control_plane_and_ca_down_at_start(tmp_path: Path, nodes: list[Zt
         # Nothing listens at the control plane's address: the process is up, but not ready, and says why (once its
         # worker processes are up, "workers" is no longer pending; the state manager stays).
         await wait_until(lambda: readiness(m.node_a) == (500, "not ready, pending: state manager\n"), 20, 0.05)
+        # Its listeners are bound but accept nothing before the first xDS sync (upstream's accept loops wait on it):
+        # a SOCKS5 greeting waits in the backlog, unanswered, and is answered once xDS is in (below).
+        early_r, early_w = await asyncio.open_connection(m.node_a, 15080)
+        early_w.write(b"\x05\x01\x00")
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(early_r.readexactly(2), 0.5)
         # It retries with backoff, not in a loop: a few seconds cost it next to no CPU.
         cpu0, t0 = cpu_seconds(a.proc.pid), time.monotonic()
         await asyncio.sleep(2.0)
@@ -175,6 +203,8 @@ async def test_control_plane_and_ca_down_at_start(tmp_path: Path, nodes: list[Zt
         up = time.monotonic()
         await wait_until(lambda: readiness(m.node_a) == (200, "ready\n"), 10, interval=0.02)
         assert time.monotonic() - up < 2 * delays[-1] + 1.0
+        assert await asyncio.wait_for(early_r.readexactly(2), 5) == b"\x05\x00"  # accepted now, same connection
+        early_w.close()
         # A connection now needs the client's certificate, and the CA is down: it fails at once, with the reason.
         t = time.monotonic()
         assert not await echo_once(m)

@@ -110,6 +110,7 @@ class DnsProxy:
         self.tasks = TaskGroup("dns")
         self._servers: list[asyncio.Server] = []
         self._udp: list[asyncio.DatagramTransport] = []
+        self._udp_waiting: list[socket.socket] = []  # bound UDP sockets not served yet (start(serve=False))
         self._tcp_connections: set[_TcpConnection] = set()
         self._in_flight = 0
 
@@ -145,22 +146,37 @@ class DnsProxy:
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Bind TCP and UDP on the configured address (``localhost``: 127.0.0.1 and ::1), on the same port."""
+    async def start(self, serve: bool = True) -> None:
+        """Bind TCP and UDP on the configured address (``localhost``: 127.0.0.1 and ::1), on the same port, and
+        with ``serve`` answer at once; else queries wait in the sockets until :meth:`serve` (as upstream's DNS
+        server waits for the first xDS sync)."""
         tcp, udp = self._bind()
         loop = asyncio.get_running_loop()
         try:
             for sock in tcp:
-                self._servers.append(await loop.create_server(lambda: _TcpConnection(self), sock=sock))
-            for sock in udp:
-                transport, _ = await loop.create_datagram_endpoint(lambda: _UdpProtocol(self), sock=sock)
-                self._udp.append(transport)
+                server = await loop.create_server(lambda: _TcpConnection(self), sock=sock, start_serving=serve)
+                self._servers.append(server)
+            self._udp_waiting = udp
+            if serve:
+                await self.serve()
         except BaseException:
             for s in (*tcp, *udp):
                 s.close()
             self.stop()
             raise
         log.info("starting local DNS server on %s (tcp %s, udp %s)", self.addr, self.tcp_address, self.udp_address)
+
+    async def serve(self) -> None:
+        """Start answering on the sockets :meth:`start` bound (a no-op where it already does)."""
+        loop = asyncio.get_running_loop()
+        for server in self._servers:
+            if server.sockets and not server.is_serving():
+                await server.start_serving()
+        while self._udp_waiting:
+            sock = self._udp_waiting[0]
+            transport, _ = await loop.create_datagram_endpoint(lambda: _UdpProtocol(self), sock=sock)
+            self._udp.append(transport)
+            del self._udp_waiting[0]
 
     def _bind(self) -> tuple[list[socket.socket], list[socket.socket]]:
         addr = self.addr
@@ -187,6 +203,9 @@ class DnsProxy:
             server.close()
         for transport in self._udp:
             transport.close()
+        for sock in self._udp_waiting:
+            sock.close()
+        self._udp_waiting = []
         for conn in list(self._tcp_connections):
             conn.close()
         self._servers.clear()
@@ -202,7 +221,7 @@ class DnsProxy:
 
     @property
     def udp_addresses(self) -> list[tuple[str, int]]:
-        return [_name(t.get_extra_info("socket")) for t in self._udp]
+        return [_name(t.get_extra_info("socket")) for t in self._udp] + [_name(s) for s in self._udp_waiting]
 
     @property
     def tcp_address(self) -> tuple[str, int]:

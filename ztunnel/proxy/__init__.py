@@ -36,14 +36,15 @@ class Proxy:
         self.inbound_passthrough = InboundPassthrough(pi, authorize)
         self.socks5 = Socks5(pi, self.outbound.proxy_to) if pi.config.socks5_enabled else None
 
-    async def start(self) -> None:
-        """Bind every listener; on failure nothing stays bound."""
+    async def start(self, serve: bool = True) -> None:
+        """Bind every listener, accepting at once with ``serve`` (else from :meth:`serve` on, as upstream's accept
+        loops wait for the first xDS sync); on failure nothing stays bound."""
         try:
-            await self.inbound.start()
-            await self.inbound_passthrough.start()
-            await self.outbound.start()
+            await self.inbound.start(serve)
+            await self.inbound_passthrough.start(serve)
+            await self.outbound.start(serve)
             if self.socks5 is not None:
-                await self.socks5.start()
+                await self.socks5.start(serve)
         except BaseException:
             self.stop_listening()
             raise
@@ -55,6 +56,12 @@ class Proxy:
             format_addr(*self.inbound_passthrough.address),
             f", socks5 {format_addr(*self.socks5.address)}" if self.socks5 is not None else "",
         )
+
+    async def serve(self) -> None:
+        """Start accepting on every listener bound by :meth:`start`."""
+        for listener in (self.inbound, self.inbound_passthrough, self.outbound, self.socks5):
+            if listener is not None:
+                await listener.serve()
 
     def stop_listening(self) -> None:
         for listener in (self.outbound, self.inbound, self.inbound_passthrough, self.socks5):

@@ -31,8 +31,9 @@ class Listener(abc.ABC):
     def new_protocol(self) -> asyncio.BaseProtocol:
         """The protocol for one accepted connection."""
 
-    async def start(self) -> None:
-        """Bind every address of the listener (``localhost``: both families) and start accepting."""
+    async def start(self, serve: bool = True) -> None:
+        """Bind every address of the listener (``localhost``: both families) and, with ``serve``, start accepting
+        (else connections wait in the backlog until :meth:`serve`)."""
         cfg = self.pi.config
         addr = self.bind_addr
         if addr is None:
@@ -46,7 +47,13 @@ class Listener(abc.ABC):
         loop = asyncio.get_running_loop()
         for sock, transparent in socks:
             self.transparent = self.transparent or transparent
-            self.servers.append(await loop.create_server(self.new_protocol, sock=sock))
+            self.servers.append(await loop.create_server(self.new_protocol, sock=sock, start_serving=serve))
+
+    async def serve(self) -> None:
+        """Start accepting on every bound address (a no-op where it already does, or was closed meanwhile)."""
+        for server in self.servers:
+            if server.sockets and not server.is_serving():
+                await server.start_serving()
 
     @property
     def address(self) -> tuple[str, int]:

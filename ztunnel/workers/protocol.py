@@ -112,6 +112,12 @@ class Snapshot(Message):
 
 
 @dataclass(slots=True)
+class Serve(Message):
+    """The first xDS sync is in: accept connections. Until then a worker's listeners are bound (their backlog
+    queues connections, as upstream's accept loops wait on the sync) but accept nothing. Sent once per worker."""
+
+
+@dataclass(slots=True)
 class Delta(Message):
     """One batch the control process applied, turning its state into ``generation`` (the previous one + 1)."""
 

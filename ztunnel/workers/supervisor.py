@@ -131,12 +131,15 @@ class Supervisor:
         on_demand: OnDemand | None = None,
         prefork: Preforked | None = None,
         argv: Sequence[str] | None = None,
+        synced: asyncio.Event | None = None,
     ) -> None:
         self.config = config
         self.state = state
         self.certs = certs
         self.readiness = readiness
         self.on_demand = on_demand
+        # Set once the first xDS sync is in (None: the state is complete from the start): workers accept only then.
+        self.synced = synced
         self.prefork = prefork  # the first workers, forked at start (ztunnel/workers/prefork.py)
         # The command of a worker started later (a restart): its index, the fd and this process's pid are appended.
         self.argv = list(argv) if argv is not None else [sys.executable, "-m", "ztunnel.workers"]
@@ -166,6 +169,8 @@ class Supervisor:
             self.certs.watch(self._certificate_changed)
         if len(self.handles) > 1 and self.board is None:
             self.board = LoadBoard.create(len(self.handles))
+        if self.synced is not None and not self.synced.is_set():
+            self.tasks.spawn(self._serve_after_sync(self.synced), "serve after the first xDS sync")
         loop = asyncio.get_running_loop()
         for h in self.handles:
             h.started_result = loop.create_future()
@@ -250,6 +255,8 @@ class Supervisor:
             [board.fd] if board is not None else [],
         )
         channel.send(p.snapshot_of(self.state))
+        if self.synced is None or self.synced.is_set():
+            channel.send(p.Serve())
         # In-pod: the pods it must serve before it counts as ready (a ZDS add meanwhile reaches it the usual way).
         catch_up = [self._add_pod(h, uid, pod.info, pod.netns) for uid, pod in self.pods.items()]
         self.tasks.spawn(self._become_ready(h, channel, catch_up), f"worker {h.index} start")
@@ -513,6 +520,14 @@ class Supervisor:
             channel.send(p.OnDemandDone(req.request_id))
 
     # -- what the workers are told ---------------------------------------------------------------------------------
+
+    async def _serve_after_sync(self, synced: asyncio.Event) -> None:
+        await synced.wait()
+        frame = p.encode(p.Serve())
+        for h in self.live():  # a worker started from now on gets it with its snapshot
+            assert h.channel is not None
+            with contextlib.suppress(ChannelClosed):
+                h.channel.send_frame(frame)
 
     def _state_applied(self, update: StateUpdate, version: int) -> None:
         frame = p.encode(p.Delta(version, update))  # once, for every worker

@@ -131,6 +131,7 @@ class Worker:
         self.drain = Drain("worker")
         self.generation: int | None = None
         self.serving = False
+        self.may_accept = False  # the control process said Serve: the first xDS sync is in
         self.proxy: Proxy | None = None
         self.dns_proxy: DnsProxy | None = None
         self.self_proxy: SelfProxy | None = None  # shared mode: ztunnel's own inbound (POD_NAME/...)
@@ -164,6 +165,10 @@ class Worker:
                 self.generation = msg.generation
                 if first:
                     self.tasks.spawn(self._serve(), "serve")
+            case p.Serve():
+                self.may_accept = True
+                if self.serving:  # bound already: accept from now on (else _serve binds accepting)
+                    self.tasks.spawn(self._accept(), "accept")
             case p.Delta():
                 self._delta(msg)
             case p.CertificatePush():
@@ -323,16 +328,16 @@ class Worker:
                 assert info is not None
                 self.dns_proxy = self.factory.dns(LocalWorkload(self.state, info), self.factory.host_sockets(), True)
                 if self.dns_proxy is not None:
-                    await self.dns_proxy.start()
+                    await self.dns_proxy.start(self.may_accept)
                 if cfg.enable_proxy:
                     self.proxy = self.factory.dedicated(info, self.drain)
                     if self.proxy.socks5 is not None and self.dns_proxy is not None:
                         self.proxy.socks5.resolve = self.dns_proxy.resolve
-                    await self.proxy.start()
+                    await self.proxy.start(self.may_accept)
             elif cfg.proxy_mode is ProxyMode.SHARED:
                 self.self_proxy = self.factory.self_proxy(self.drain)
                 if self.self_proxy is not None:
-                    await self.self_proxy.start()
+                    await self.self_proxy.start(self.may_accept)
         except Exception as e:
             # A port in use, a missing capability: the control process logs it (and at startup exits with it).
             log.error("worker %d cannot serve: %s", self.index, e)
@@ -342,7 +347,15 @@ class Worker:
             self._exit(1)
             return
         self.serving = True
+        if self.may_accept:  # Serve may have come while binding: a no-op for listeners that accept already
+            await self._accept()
         self._send(p.Ready(self.generation if self.generation is not None else -1))
+
+    async def _accept(self) -> None:
+        """Start accepting on the listeners bound by :meth:`_serve` (they wait for the first xDS sync)."""
+        for server in (self.dns_proxy, self.proxy, self.self_proxy):
+            if server is not None:
+                await server.serve()
 
     async def _run_pod_ops(self) -> None:
         """AddPod and DelPod, one at a time in the order they came (an add then a del of one pod must not race)."""
