@@ -141,6 +141,18 @@ def cp_host(m: TwoNodeMesh) -> str:
 # -- down at start -----------------------------------------------------------------------------------------------
 
 
+async def unanswered_greeting(m: TwoNodeMesh) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Node A before its first xDS sync: not ready for that reason, and its listeners bound but accepting nothing
+    (upstream's accept loops wait on the sync): a SOCKS5 greeting waits in the backlog, unanswered. Returns the
+    connection, which is answered once xDS is in."""
+    await wait_until(lambda: readiness(m.node_a) == (500, "not ready, pending: state manager\n"), 20, 0.05)
+    reader, writer = await asyncio.open_connection(m.node_a, 15080)
+    writer.write(b"\x05\x01\x00")
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(reader.readexactly(2), 0.5)
+    return reader, writer
+
+
 async def test_inline_listeners_accept_only_after_the_first_sync(tmp_path: Path, nodes: list[ZtunnelProcess]) -> None:
     """The one-process model too (ZTUNNEL_INLINE_DATA_PLANE=true): bound at start, accepting once xDS is in."""
     m = TwoNodeMesh(tmp_path)
@@ -150,11 +162,7 @@ async def test_inline_listeners_accept_only_after_the_first_sync(tmp_path: Path,
     a = ZtunnelProcess(env, tmp_path / "a.log").start(wait_ready=False)
     nodes.append(a)
     try:
-        await wait_until(lambda: readiness(m.node_a) == (500, "not ready, pending: state manager\n"), 20, 0.05)
-        r, w = await asyncio.open_connection(m.node_a, 15080)
-        w.write(b"\x05\x01\x00")
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(r.readexactly(2), 0.5)
+        r, w = await unanswered_greeting(m)
         await xds.start()
         assert await asyncio.wait_for(r.readexactly(2), 10) == b"\x05\x00"
         w.close()
@@ -177,14 +185,8 @@ async def test_control_plane_and_ca_down_at_start(tmp_path: Path, nodes: list[Zt
     assert a.proc is not None
     try:
         # Nothing listens at the control plane's address: the process is up, but not ready, and says why (once its
-        # worker processes are up, "workers" is no longer pending; the state manager stays).
-        await wait_until(lambda: readiness(m.node_a) == (500, "not ready, pending: state manager\n"), 20, 0.05)
-        # Its listeners are bound but accept nothing before the first xDS sync (upstream's accept loops wait on it):
-        # a SOCKS5 greeting waits in the backlog, unanswered, and is answered once xDS is in (below).
-        early_r, early_w = await asyncio.open_connection(m.node_a, 15080)
-        early_w.write(b"\x05\x01\x00")
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(early_r.readexactly(2), 0.5)
+        # worker processes are up, "workers" is no longer pending; the state manager stays); nothing is accepted.
+        early_r, early_w = await unanswered_greeting(m)
         # It retries with backoff, not in a loop: a few seconds cost it next to no CPU.
         cpu0, t0 = cpu_seconds(a.proc.pid), time.monotonic()
         await asyncio.sleep(2.0)
