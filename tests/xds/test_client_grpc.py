@@ -284,7 +284,7 @@ async def test_auth_headers_and_token_reread_per_call(tmp_path: Path) -> None:
         env = ztunnel_env(server, token=str(token_file), ISTIO_META_CLUSTER_ID="c9", XDS_HEADER_X_EXTRA="hello")
         async with running(env) as node:
             await wait_until(lambda: node.client.terminations[ConnectionTerminationReason.CONNECTION_ERROR] >= 1, 5)
-            assert "UNAUTHENTICATED" in (node.client.last_error or "")
+            assert "status: Unauthenticated, message: " in (node.client.last_error or "")  # upstream's wording
             assert "authentication failure: unknown token" in (node.client.last_error or "")
             assert not node.readiness.ready
             token_file.write_text("new")  # rotated in place: the next attempt reads it

@@ -100,7 +100,7 @@ def retry_delays(text: str, reason: str = "") -> list[float]:
 ERRORS = {
     "bytes": "XDS client error: the server sent 33 bytes that are not a DeltaDiscoveryResponse (system_version_info "
     "at byte 0: length 33554431 runs past the end of its message (28 left))",
-    "abort": "status: INTERNAL, message: 'control plane exploded'",
+    "abort": 'status: Internal, message: "control plane exploded"',
     "empty": "ended the stream without sending a response",
 }
 
@@ -355,7 +355,7 @@ async def test_control_plane_sends_garbage(tmp_path: Path, nodes: list[ZtunnelPr
             assert len(cp.snapshot.of(ADDRESS_TYPE)) == workloads
 
         text = log_of(a)
-        assert "status: INTERNAL, message: 'control plane exploded'" in text
+        assert 'status: Internal, message: "control plane exploded"' in text
         assert "Traceback" not in text and "Traceback" not in log_of(b)
         assert a.proc is not None and a.proc.poll() is None
         assert await echo_once(m)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -401,7 +402,10 @@ def _is_reconnect(e: grpc.aio.AioRpcError) -> bool:
 
 
 def _describe(code: grpc.StatusCode, details: str | None) -> str:
-    text = f"status: {code.name}, message: {details!r}"
+    """A failed call as upstream's log lines give it (tonic's code and message as Rust's Debug prints them:
+    ``status: Unavailable, message: "..."``), so the same grep finds both."""
+    name = "".join(part.capitalize() for part in code.name.split("_"))
+    text = f"status: {name}, message: {json.dumps(details or '', ensure_ascii=False)}"
     if "authentication failure" in (details or ""):
         text += " (hint: check the control plane logs for more information)"
     return text
