@@ -18,7 +18,7 @@ from cryptography import x509
 from ztunnel.config import from_env
 from ztunnel.dns.forwarder import ResolvConf
 from ztunnel.tasks import spawn
-from ztunnel.testing import EchoServer, TwoNodeMesh, ZtunnelProcess, running_app
+from ztunnel.testing import EchoServer, TwoNodeMesh, ZtunnelProcess, running_app, socks5_connect
 
 SCHEMA = json.loads((Path(__file__).parent / "config_dump.schema.json").read_text())
 
@@ -245,10 +245,23 @@ async def test_quitquitquit_drains_and_stops(tmp_path: Path) -> None:
         running = asyncio.ensure_future(a.wait())  # noqa: TID251 - what `ztunnel proxy` does after start
         assert (await acall(m.node_a, "/quitquitquit"))[0] == 405
         assert not a.drain.draining
+        # A tunnel stays open, so the drain takes its whole deadline (1 s); the POST is answered at once, as
+        # upstream's (it only triggers the shutdown), and the drain carries on after the answer.
+        echo = await EchoServer().start("127.0.0.1")
+        reader, writer = await socks5_connect((m.node_a, 15080), *echo.address)
+        writer.write(b"x")
+        assert await reader.readexactly(1) == b"x"
         status, body = await acall(m.node_a, "/quitquitquit", "POST")
         assert (status, body) == (200, "shutdown now\n")
-        assert a.stopped.is_set()
-        await asyncio.wait_for(running, 5)  # the last step (stopping this admin server) completes too
+        assert a.drain.draining and not a.stopped.is_set()  # answered while the drain still holds the tunnel
+        await asyncio.wait_for(running, 5)  # the drain ends at its deadline, then this admin server stops
+        try:  # the tunnel was closed at the deadline (forced: a reset, or an end of file if it came first)
+            rest = await asyncio.wait_for(reader.read(), 5)
+        except ConnectionResetError:
+            rest = b""
+        assert rest == b""
+        writer.close()
+        await echo.stop()
 
 
 async def test_config_dump_without_local_config(tmp_path: Path) -> None:

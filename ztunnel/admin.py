@@ -4,7 +4,7 @@
   config, certificates (identity, state, chain and roots with serial and validity) and, in-pod, each pod's state,
   in upstream's JSON shape (camelCase), so ``istioctl ztunnel-config``-style tooling can read it;
 * ``/logging``: POST ``?level=info`` / ``?level=access=debug,warn`` / ``?reset`` changes log levels at run time;
-* ``/quitquitquit``: POST starts a graceful drain and answers once it finished (or the deadline passed);
+* ``/quitquitquit``: POST starts a graceful drain and answers at once (200 ``shutdown now``), as upstream;
 * ``/connections`` (this project's addition): the open connections, live, as JSON;
 * ``/debug/pprof/profile``, ``/debug/pprof/heap``, ``/debug/pprof/heap/profiling``: upstream's profiling endpoints,
   the Python analogue (:mod:`ztunnel.profiling`), of this process and of every data-plane worker (asked over the

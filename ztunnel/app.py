@@ -7,7 +7,6 @@ listeners once state is ready; one :class:`~ztunnel.drain.Drain` shuts everythin
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import time
@@ -230,10 +229,9 @@ class App:
         states = getattr(certs, "states", None)
 
         async def quit_() -> None:
-            # Upstream answers once the drain finished, or after the termination deadline at the latest.
+            # As upstream: the request only triggers the shutdown (its shutdown_now is a send on a channel with
+            # room), so the answer comes at once and the drain carries on, up to its deadline, after it.
             self.shutdown()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self.stopped.wait()), cfg.self_termination_deadline + 1)
 
         supervisor = self.supervisor
         self.admin_server = AdminServer(
