@@ -31,7 +31,7 @@ from ztunnel.proxy.common import TlsContextCache
 from ztunnel.proxy.connection_manager import ConnectionRecord, connections_dump
 from ztunnel.proxy.inputs import LocalWorkload, OnDemand
 from ztunnel.proxy.metrics import CrlMetrics, TrafficMetrics, flush_periodically
-from ztunnel.proxyfactory import PodProxies, ProxyFactory, SelfProxy, crl_manager
+from ztunnel.proxyfactory import PodProxies, ProxyFactory, SelfProxy, crl_manager, serve_after_sync
 from ztunnel.readiness import BlockReady, Readiness, ReadinessServer
 from ztunnel.state import ProxyState
 from ztunnel.tasks import TaskGroup
@@ -192,9 +192,7 @@ class App:
     async def _serve_after_sync(self, state_ready: BlockReady) -> None:
         """The inline proxies' listeners start accepting once the first xDS sync is in (see :meth:`start`)."""
         await state_ready.released.wait()
-        for server in (self.dns_proxy, self.proxy, self.self_proxy):
-            if server is not None:
-                await server.serve()
+        await serve_after_sync(self.dns_proxy, self.proxy, self.self_proxy)
         log.debug("xDS synced: the proxies accept connections")
 
     async def _start_workers(self, state_ready: BlockReady) -> None:

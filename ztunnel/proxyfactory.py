@@ -229,6 +229,14 @@ class SelfProxy:
         await pi.tasks.cancel_all(timeout=1.0)
 
 
+async def serve_after_sync(dns: DnsProxy | None, proxy: Proxy | None, self_proxy: SelfProxy | None) -> None:
+    """Start accepting on the node-wide listeners bound before the first xDS sync (the dedicated proxy, its DNS
+    proxy, ztunnel's own inbound), whichever this process has; a no-op for those that accept already."""
+    for server in (dns, proxy, self_proxy):
+        if server is not None:
+            await server.serve()
+
+
 @dataclass
 class PodProxies:
     """One pod's running proxies (the statemanager's ``PodProxies``)."""

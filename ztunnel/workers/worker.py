@@ -45,7 +45,7 @@ from ztunnel.proxy.connection_manager import ConnectionRecord, connections_dump
 from ztunnel.proxy.inbound import Inbound
 from ztunnel.proxy.inputs import LocalWorkload
 from ztunnel.proxy.metrics import CrlMetrics, TrafficMetrics, flush_periodically
-from ztunnel.proxyfactory import PodProxies, ProxyFactory, SelfProxy, crl_manager
+from ztunnel.proxyfactory import PodProxies, ProxyFactory, SelfProxy, crl_manager, serve_after_sync
 from ztunnel.state import ProxyState
 from ztunnel.tasks import TaskGroup
 from ztunnel.workers import protocol as p
@@ -168,7 +168,7 @@ class Worker:
             case p.Serve():
                 self.may_accept = True
                 if self.serving:  # bound already: accept from now on (else _serve binds accepting)
-                    self.tasks.spawn(self._accept(), "accept")
+                    self.tasks.spawn(serve_after_sync(self.dns_proxy, self.proxy, self.self_proxy), "accept")
             case p.Delta():
                 self._delta(msg)
             case p.CertificatePush():
@@ -348,14 +348,8 @@ class Worker:
             return
         self.serving = True
         if self.may_accept:  # Serve may have come while binding: a no-op for listeners that accept already
-            await self._accept()
+            await serve_after_sync(self.dns_proxy, self.proxy, self.self_proxy)
         self._send(p.Ready(self.generation if self.generation is not None else -1))
-
-    async def _accept(self) -> None:
-        """Start accepting on the listeners bound by :meth:`_serve` (they wait for the first xDS sync)."""
-        for server in (self.dns_proxy, self.proxy, self.self_proxy):
-            if server is not None:
-                await server.serve()
 
     async def _run_pod_ops(self) -> None:
         """AddPod and DelPod, one at a time in the order they came (an add then a del of one pod must not race)."""
