@@ -11,6 +11,7 @@ import uvloop
 from hypothesis import HealthCheck, settings
 
 from ztunnel import thirdparty
+from ztunnel.testing import PROCESS_LOGS
 
 # `make fuzz` sets HYPOTHESIS_PROFILE=fuzz: random (not derandomized) exploration, failures kept in .hypothesis/,
 # and every fuzz test's bounded example count multiplied by max_examples / 100 (tests/fuzzing.py).
@@ -27,6 +28,30 @@ def pytest_configure(config: pytest.Config) -> None:
     # The third-party patches, as App.start applies them in the product: tests that build HBONE connections or HTTP
     # servers without an App see what production sees (HTTP/1.1 400 for garbage on 15000/15020/15021, ...).
     thirdparty.apply()
+
+
+# The last lines of each ztunnel process log a failing test leaves: enough to see what the process was doing.
+LOG_TAIL_LINES = 60
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failing test's report gets the tail of every ztunnel process log it started (``ZtunnelProcess`` with a
+    log path), as a section of its own, so a failure in CI says what the process under test logged."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for proc in PROCESS_LOGS:
+            path = proc.log_path
+            if path is None:
+                continue
+            try:
+                lines = path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            except OSError as e:
+                lines = [f"(unreadable: {e})"]
+            report.sections.append((f"ztunnel log {path}", "\n".join(lines)))
+    if call.when == "teardown":  # a process a wider fixture keeps running stays for the next test
+        PROCESS_LOGS[:] = [p for p in PROCESS_LOGS if p.proc is not None and p.proc.poll() is None]
 
 
 class _TestLoop(uvloop.Loop):

@@ -252,6 +252,11 @@ async def socks5_connect(
     return reader, writer
 
 
+# The ztunnel processes with a log file that are running or stopped during the running test: tests/conftest.py
+# attaches their logs' tails to a failing test's report, so a failure in CI says what the process under test did.
+PROCESS_LOGS: list[ZtunnelProcess] = []
+
+
 class ZtunnelProcess:
     """``python -m ztunnel`` in a subprocess, ready once its readiness probe answers 200.
 
@@ -286,6 +291,7 @@ class ZtunnelProcess:
         """Start the process and wait (up to ``timeout``) until it is ready, or only start it (``wait_ready``)."""
         if self.log_path is not None:
             self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+            PROCESS_LOGS.append(self)
         out = self._log if self._log is not None else subprocess.DEVNULL
         argv = [*self.prefix, *self.argv]
         if self.kill_with_parent:
