@@ -10,12 +10,14 @@ from hyperframe.frame import (
     Frame,
     GoAwayFrame,
     HeadersFrame,
+    PingFrame,
     RstStreamFrame,
     SettingsFrame,
     WindowUpdateFrame,
 )
 
 from ztunnel.proxy.hbone.core import (
+    DRAIN_PING,
     FRAME_HEADER_SIZE,
     ConnectRequested,
     ConnectResponded,
@@ -220,6 +222,44 @@ def test_goaway_received_and_sent() -> None:
     g = next(e for e in events if isinstance(e, GoAwayReceived))
     assert g.last_stream_id == sid and g.error_code == 0
     assert c.goaway_received is g
+
+
+def promised(s: HboneConnection) -> int | None:
+    """The last stream id our GOAWAY promised to process (read through a call: the state moves under mypy's eyes)."""
+    return s.goaway_sent
+
+
+def test_graceful_goaway_serves_a_connect_sent_before_the_peer_saw_it() -> None:
+    """A server's drain in two steps, as upstream's h2 crate: GOAWAY 2^31-1 and a PING; a CONNECT the client sent
+    before it read them is served; once the PING is answered, the final GOAWAY names the last stream the client
+    opened, and a CONNECT after that is refused (REFUSED_STREAM)."""
+    c, s, sid = connected()
+    s.goaway_gracefully()
+    first, ping = frames(s.data_to_send())
+    assert isinstance(first, GoAwayFrame) and isinstance(ping, PingFrame)
+    assert first.last_stream_id == 2**31 - 1 and first.error_code == 0
+    assert ping.opaque_data == DRAIN_PING and "ACK" not in ping.flags
+    assert promised(s) is None
+    s.goaway_gracefully()  # once
+    assert s.data_to_send() == b""
+
+    racing = c.send_connect("10.0.0.1:8081")  # in flight while the GOAWAY travels
+    assert [type(e) for e in pump(c, s)] == [ConnectRequested]
+    s.send_response(racing, 200)
+    assert any(isinstance(e, ConnectResponded) and e.status == 200 for e in pump(s, c))
+
+    other = s.receive_data(PingFrame(0, b"ztunnel!", flags=["ACK"]).serialize())  # not the drain's PING
+    assert promised(s) is None and s.data_to_send() == b"" and len(other) == 1
+    s.receive_data(PingFrame(0, DRAIN_PING, flags=["ACK"]).serialize())
+    (final,) = frames(s.data_to_send())
+    assert isinstance(final, GoAwayFrame) and final.last_stream_id == racing > sid and final.error_code == 0
+    assert promised(s) == racing
+
+    late = c.send_connect("10.0.0.1:8082")  # the client has not read the final GOAWAY yet
+    assert pump(c, s) == []
+    (refused,) = frames(s.data_to_send())
+    assert isinstance(refused, RstStreamFrame) and refused.stream_id == late
+    assert refused.error_code == ErrorCode.REFUSED_STREAM
 
 
 def test_after_goaway_received_open_streams_can_still_end_and_reset() -> None:

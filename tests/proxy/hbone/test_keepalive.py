@@ -1,4 +1,5 @@
-"""HTTP/2 PING keepalive of an HBONE connection (``connection.py``: PING_INTERVAL / PING_TIMEOUT, ``_on_ping_timer``).
+"""HTTP/2 PING keepalive of an HBONE connection (``connection.py``: PING_INTERVAL / PING_TIMEOUT, ``_on_ping_timer``),
+and the PING of a server's two-step drain GOAWAY.
 
 Upstream (ztunnel-facts.md §3.4): both roles send a PING every 10 s; no answer within 20 s drops the connection with
 an abrupt GOAWAY NO_ERROR. The constants are shortened here (0.1 s / 0.3 s). The peer is either another
@@ -26,6 +27,7 @@ from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.spiffe import Identity
 from ztunnel.proxy.hbone import connection
 from ztunnel.proxy.hbone.connection import HboneTransport
+from ztunnel.proxy.hbone.core import DRAIN_PING
 from ztunnel.proxy.hbone.reason import CloseKind
 from ztunnel.testing import hbone_transport
 
@@ -182,6 +184,21 @@ async def test_peer_that_never_acks_is_closed_with_goaway_no_error(cert: Workloa
         first_ping = peer.pings[0][0]
         assert TIMEOUT * 0.9 <= peer.closed_at - first_ping <= TIMEOUT + 3 * INTERVAL + 0.5
         assert [g.error_code for g in peer.goaways] == [0]
+
+
+async def test_server_drain_sends_goaway_in_two_steps_and_closes_an_idle_connection_once_answered(
+    cert: WorkloadCertificate,
+) -> None:
+    """The drain's PING (upstream's h2 graceful shutdown): GOAWAY 2^31-1 and a PING, then, once the peer answered
+    it, the final GOAWAY naming the last stream the peer opened (none: 0) and, with no stream open, the close."""
+    async with raw_pair(cert, "server", answer_pings=True) as pair:
+        peer = pair.peer
+        pair.ours.goaway()
+        await until(lambda: peer.closed_at is not None, 5)
+        assert [(g.last_stream_id, g.error_code) for g in peer.goaways] == [(2**31 - 1, 0), (0, 0)]
+        assert DRAIN_PING in [data for _, data in peer.pings]
+        reason = pair.ours.close_reason
+        assert reason is not None and reason.kind is CloseKind.DRAINED
 
 
 async def test_two_idle_hbone_transports_keep_each_other_alive(cert: WorkloadCertificate) -> None:

@@ -38,6 +38,7 @@ from ztunnel.identity.spiffe import Identity
 from ztunnel.net import format_addr
 from ztunnel.proxy.hbone.core import (
     CLIENT_SETTINGS,
+    DRAIN_PING,
     SERVER_SETTINGS,
     ConnectRequested,
     ConnectResponded,
@@ -466,6 +467,10 @@ class HboneTransport(asyncio.BufferedProtocol):
                     h.on_reset(ev.error_code, ev.by_peer)
             elif type(ev) is PingAcked:
                 self._ping_sent_at = None
+                if ev.data == DRAIN_PING and self.core.goaway_sent is not None:  # the final GOAWAY just went out
+                    self.draining = True
+                    if not streams:
+                        self.close(_DRAINED)
             elif type(ev) is GoAwayReceived:
                 log.debug("GOAWAY from %s: code %d, last stream %d", self.peer, ev.error_code, ev.last_stream_id)
                 # last_stream_id counts streams *we* opened (odd ids for a client, even for a server): ours above
@@ -640,8 +645,14 @@ class HboneTransport(asyncio.BufferedProtocol):
             self._timer = None
 
     def goaway(self) -> None:
-        """Graceful drain: no new streams; close once the open ones finish."""
+        """Graceful drain: no new streams; close once the open ones finish. A server announces it first (GOAWAY
+        2^31-1 and a PING) and closes the door once the peer answered the PING, as upstream's h2 crate, so a CONNECT
+        already on its way is served rather than refused; a client (closing an idle pooled connection) at once."""
         if self.closed:
+            return
+        if not self.core.client_side:
+            self.core.goaway_gracefully()
+            self.flush()
             return
         self.core.goaway(ErrorCode.NO_ERROR)
         self.flush()

@@ -300,6 +300,9 @@ _RESET_BY_US = 1
 _RESET_BY_PEER = 2
 _MAX_WINDOW = 2**31 - 1  # RFC 9113 §6.9.1
 _MAX_STREAM_ID = 2**31 - 1
+# The payload of the PING that follows the first GOAWAY of a graceful drain; its ACK sends the final GOAWAY. Any 8
+# bytes do (the peer only echoes them); distinct from the keepalive's b"ztunnel!" so the two are told apart.
+DRAIN_PING = b"draining"
 
 
 @dataclass(slots=True)
@@ -401,6 +404,7 @@ class HboneConnection:
         self._stream_threshold = self.settings.stream_window >> 2
         self.goaway_received: GoAwayReceived | None = None
         self.goaway_sent: int | None = None  # the last stream id we promised to process
+        self.goaway_announced = False  # the first GOAWAY of a graceful one (2^31-1) sent, its PING not yet answered
         self.closed = False
 
     # -- setup -----------------------------------------------------------------------------------------------
@@ -902,7 +906,11 @@ class HboneConnection:
         if len(payload) != 8:
             self._fail(f"PING of {len(payload)} bytes (8)", ErrorCode.FRAME_SIZE_ERROR)
         if flags & FLAG_ACK:
-            events.append(PingAcked(bytes(payload)))
+            data = bytes(payload)
+            if self.goaway_announced and data == DRAIN_PING:  # the peer has seen the first GOAWAY: the final one
+                self.goaway_announced = False
+                self.goaway()
+            events.append(PingAcked(data))
             return
         self._spend("PING frames")
         self.out += _HEADER.pack(8 << 8 | PING, FLAG_ACK, 0)
@@ -1197,12 +1205,25 @@ class HboneConnection:
         self.out += data
 
     def goaway(self, code: ErrorCode = ErrorCode.NO_ERROR) -> None:
-        """Tell the peer no new streams will be accepted; open ones may finish (graceful drain)."""
+        """Tell the peer no new streams will be accepted (above the last one it opened); open ones may finish."""
         if self.goaway_sent is not None:
             return
+        self.goaway_announced = False
         last = self._highest_inbound
         self.goaway_sent = last
         self.out += _GOAWAY.pack(8 << 8 | GOAWAY, 0, 0, last, code)
+
+    def goaway_gracefully(self) -> None:
+        """A server's graceful drain in two steps (RFC 9113 §6.8, as upstream's h2 crate): GOAWAY with the last
+        stream id 2^31-1 and a PING; the final GOAWAY (:meth:`goaway`, the last stream the peer opened) once that
+        PING is answered. A CONNECT the peer sent before it saw the first GOAWAY is then served, not refused: the
+        PING's answer comes after every frame the peer sent before it."""
+        if self.goaway_sent is not None or self.goaway_announced:
+            return
+        self.goaway_announced = True
+        self.out += _GOAWAY.pack(8 << 8 | GOAWAY, 0, 0, _MAX_STREAM_ID, ErrorCode.NO_ERROR)
+        self.out += _HEADER.pack(8 << 8 | PING, 0, 0)
+        self.out += DRAIN_PING
 
     @property
     def open_streams(self) -> int:
