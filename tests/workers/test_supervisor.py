@@ -29,13 +29,16 @@ class FakeWorker:
     """The test's end of one worker's channel: it answers each HandIn with ``answer`` (None: taken)."""
 
     channel: Channel
+    index: int
     answer: str | None = None
     handed_in: list[tuple[p.HandIn, socket.socket]] = field(default_factory=list)
     got: list[p.Message] = field(default_factory=list)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
     def handle(self, msg: p.Message, fds: list[int]) -> None:
-        if isinstance(msg, p.HandIn):
+        if isinstance(msg, p.Query) and msg.what == "connections":
+            self.channel.send(p.Reply(msg.request_id, [{"worker": self.index}]))
+        elif isinstance(msg, p.HandIn):
             sock = socket.socket(fileno=fds[0])
             self.handed_in.append((msg, sock))
             if self.answer is not None:
@@ -60,7 +63,7 @@ async def control() -> AsyncIterator[tuple[Supervisor, list[FakeWorker]]]:
         def on_worker_message(msg: p.Message, fds: list[int], w: list[FakeWorker] = holder) -> None:
             w[0].handle(msg, fds)
 
-        worker = FakeWorker(Channel(theirs, on_worker_message, lambda r: None, "w"))
+        worker = FakeWorker(Channel(theirs, on_worker_message, lambda r: None, "w"), h.index)
         holder.append(worker)
         workers.append(worker)
 
@@ -70,6 +73,7 @@ async def control() -> AsyncIterator[tuple[Supervisor, list[FakeWorker]]]:
 
         h.channel = Channel(ours, on_message, lambda r: None, f"worker {h.index}")
         h.ready = True
+        h.said_ready.set()
     yield sup, workers
     await sup.tasks.cancel_all(timeout=1)
     for h, w in zip(sup.handles, workers, strict=True):
@@ -168,3 +172,19 @@ async def test_what_no_worker_takes_is_closed_and_counted(
     assert any(r.levelno == logging.WARNING and "no worker could take it" in r.getMessage() for r in caplog.records), (
         caplog.text
     )
+
+
+async def test_a_worker_still_starting_is_not_queried(
+    control: tuple[Supervisor, list[FakeWorker]],
+) -> None:
+    """A worker process that has not said Ready yet (a restart importing on a loaded node) is not queried (for
+    /connections here; a scrape's metrics and the config dump's pods go the same way): it could answer only once
+    started, so a scrape would wait on it (up to ANSWER_TIMEOUT, 10 s)."""
+    sup, workers = control
+    h = sup.handles[2]
+    h.ready = False
+    h.said_ready = asyncio.Event()  # its new process: started, not Ready
+    rows = await asyncio.wait_for(sup.connections(), 5)
+    assert sorted(r["worker"] for r in rows) == [0, 1]
+    assert not any(isinstance(m, p.Query) for m in workers[2].got), workers[2].got
+    assert any(isinstance(m, p.Query) for m in workers[0].got)

@@ -624,7 +624,11 @@ class Supervisor:
         return out
 
     async def _query(self, what: str) -> list[tuple[WorkerHandle, Any]]:
-        return await self._ask(self.live(), p.Query(what), ANSWER_TIMEOUT, what)
+        # Only workers whose process has said Ready: one still starting (a new interpreter after a restart takes
+        # ~0.5 s to import, several seconds on a loaded node) answers nothing before it has started and has no
+        # connections or counts yet, so waiting for it would only hold a scrape (Prometheus gives up at 10 s).
+        started = [h for h in self.live() if h.said_ready.is_set()]
+        return await self._ask(started, p.Query(what), ANSWER_TIMEOUT, what)
 
     async def profile(
         self, process: str, kind: str, seconds: int = 0, frequency: int = 0, activate: bool | None = None
