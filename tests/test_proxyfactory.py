@@ -5,7 +5,9 @@ client (a captured Prometheus) scrapes its metrics over HBONE, under the policie
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import socket
 from datetime import timedelta
 from pathlib import Path
@@ -244,3 +246,66 @@ async def test_hbone_metrics_access_namespaced(tmp_path: Path) -> None:
                 lambda: [r for r in c.access("node1") if r["direction"] == "outbound"], until=lambda rs: len(rs) >= 2
             )
             assert [r["dst.hbone_addr"] for r in outbound] == [f"{zt}:15020"] * 2
+
+
+async def test_inline_drain_stops_the_pods_and_ztunnels_own_inbound_together(tmp_path: Path) -> None:
+    """One process (ZTUNNEL_INLINE_DATA_PLANE), in-pod with ztunnel's own inbound: on SIGTERM the pods' proxies stop
+    accepting at once, while a connection held open on ztunnel's own inbound still has its deadline (2 s). They
+    drained one after the other: the pods kept accepting until the own inbound's deadline had passed, then got a
+    deadline of their own."""
+    from tests.inpod.cluster import running_cluster
+    from ztunnel.testing import netns as tn
+
+    tn.require(iptables=True)
+    with tn.Topology() as topo:
+        node_env = {"node1": {**DOWNWARD_API, "POD_NAME": "ztunnel-node1", "ZTUNNEL_INLINE_DATA_PLANE": "true"}}
+        async with running_cluster(topo, tmp_path, dns=False, node_env=node_env, mesh_edit=_ztunnel_pod_on_node1) as c:
+            zt = str(c.nodes["node1"].ip)
+            server_a = str(c.pods["server-a"].ip)
+
+            def hold_a_scrape_connection() -> socket.socket:
+                # A keep-alive request answered in full: the tunnel to ztunnel's own inbound is up, and stays.
+                s = socket.create_connection((zt, 15020), timeout=10)
+                s.sendall(b"GET /metrics HTTP/1.1\r\nHost: ztunnel\r\n\r\n")
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    chunk = s.recv(65536)
+                    assert chunk, head
+                    head += chunk
+                headers, _, body = head.partition(b"\r\n\r\n")
+                assert headers.startswith(b"HTTP/1.1 200"), headers
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in headers.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                while len(body) < length:
+                    chunk = s.recv(65536)
+                    assert chunk, len(body)
+                    body += chunk
+                return s
+
+            def connect_refused() -> bool:
+                try:
+                    socket.create_connection((server_a, 8080), timeout=2).close()
+                    return False
+                except ConnectionRefusedError:
+                    return True
+
+            held = await asyncio.to_thread(c.pods["client"].run, hold_a_scrape_connection)
+            try:
+                assert not await asyncio.to_thread(c.pods["client"].run, connect_refused)  # the client's proxy serves
+                c.ztunnels["node1"].send_signal(signal.SIGTERM)
+                while not await asyncio.to_thread(c.pods["client"].run, connect_refused):
+                    await asyncio.sleep(0.02)
+                # The client pod's proxy refuses new connections; the one on ztunnel's own inbound is still open.
+                held.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    held.recv(1)
+                held.setblocking(True)
+                held.settimeout(10)
+                with contextlib.suppress(ConnectionResetError):  # ... until the deadline: then closed (EOF or reset)
+                    assert held.recv(1) == b""
+            finally:
+                held.close()
+            assert await asyncio.to_thread(c.ztunnels["node1"].wait, 15) == 0

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -283,6 +284,16 @@ class App:
                     pod.netns.close()
             self.inpod_state.pods.clear()
 
+    async def _finish_proxy(self, proxy: Proxy, deadline: float) -> None:
+        """The dedicated proxy's drain (started by ``proxy.drain()``): its connections until ``deadline``, then the
+        rest closed."""
+        if not await proxy.wait_idle(deadline):
+            if not self.drain.forced:  # else a second SIGINT said so, and was logged
+                log.warning("drain duration expired with pending connections, forcefully shutting down")
+                self.drain.force()
+            proxy.force_close()
+        await proxy.pi.tasks.cancel_all(timeout=1.0)
+
     async def _force_pods(self, pods: list[PodProxies]) -> None:
         """Each pod drains on a drain of its own: a second SIGINT during the drain must reach them too."""
         await self.drain.wait_forced()
@@ -416,19 +427,19 @@ class App:
         deadline = 0.0 if self.drain.forced else self.config.self_termination_deadline
         if self.supervisor is not None:
             await self._drain_workers(self.supervisor, deadline)
-        if self.dns_proxy is not None:
-            await self.dns_proxy.close()  # upstream stops the DNS server as the drain starts
+        # Every proxy drains at once, on one deadline, as upstream's (one drain signal for all): ztunnel's own inbound
+        # and the pods' proxies side by side, not one after the other (which gave the pods a second deadline, past
+        # the pod's grace period, while they kept accepting).
         proxy = self.proxy
         if proxy is not None:
-            proxy.drain()
-            if not await proxy.wait_idle(deadline):
-                if not self.drain.forced:  # else a second SIGINT said so, and was logged
-                    log.warning("drain duration expired with pending connections, forcefully shutting down")
-                    self.drain.force()
-                proxy.force_close()
-            await proxy.pi.tasks.cancel_all(timeout=1.0)
+            proxy.drain()  # stop accepting and GOAWAY before anything awaits
+        if self.dns_proxy is not None:
+            await self.dns_proxy.close()  # upstream stops the DNS server as the drain starts
+        drains: list[Awaitable[None]] = []
+        if proxy is not None:
+            drains.append(self._finish_proxy(proxy, deadline))
         if self.self_proxy is not None:
-            await self.self_proxy.stop(not self.drain.forced, deadline)
+            drains.append(self.self_proxy.stop(not self.drain.forced, deadline))
         if self.inpod_state is not None:
             if self.inpod_task is not None:
                 self.inpod_task.cancel()  # stop talking ZDS first: no new pods during the drain
@@ -436,7 +447,8 @@ class App:
             for pp in pods:
                 pp.deadline = deadline
             self.tasks.spawn(self._force_pods(pods), "force pod drains")
-            await self.inpod_state.drain()
+            drains.append(self.inpod_state.drain())
+        await asyncio.gather(*drains)
         await self.tasks.cancel_all(timeout=1.0)
         for server in (self.readiness_server, self.stats_server):
             if server is not None:

@@ -251,10 +251,10 @@ class PodProxies:
     async def stop(self, immediate: bool) -> None:
         """``immediate``: the pod is gone (ZDS del), close now; else drain up to the termination deadline."""
         pi = self.proxy.pi
+        pi.drain.start(DrainMode.IMMEDIATE if immediate else DrainMode.GRACEFUL)
+        self.proxy.drain()  # stop accepting and GOAWAY before anything awaits
         if self.dns is not None:
             await self.dns.close()
-        pi.drain.start(DrainMode.IMMEDIATE if immediate else DrainMode.GRACEFUL)
-        self.proxy.drain()
         if immediate or not await self.proxy.wait_idle(self.deadline):
             self.proxy.force_close()  # upstream logs these as closed by the drain, whatever the cause
         pi.local.close()
