@@ -159,6 +159,19 @@ def test_every_variable_parsed() -> None:
     assert str(c.ztunnel_identity) == "spiffe://td.example/ns/istio-system/sa/ztunnel"
 
 
+def test_instance_ip_unset_or_empty_as_upstream() -> None:
+    """Upstream's node id and INSTANCE_IPS take INSTANCE_IP as it is when set (even empty), 1.1.1.1 when unset."""
+    from ztunnel.xds.client import build_node
+
+    unset = from_env({"XDS_ADDRESS": "", "POD_NAME": "zt", "POD_NAMESPACE": "ns"})
+    empty = from_env({"XDS_ADDRESS": "", "POD_NAME": "zt", "POD_NAMESPACE": "ns", "INSTANCE_IP": ""})
+    assert unset.node_id == "ztunnel~1.1.1.1~zt.ns~ns.svc.cluster.local"
+    assert empty.node_id == "ztunnel~~zt.ns~ns.svc.cluster.local"
+    assert build_node(unset).metadata.fields["INSTANCE_IPS"].string_value == "1.1.1.1"
+    assert build_node(empty).metadata.fields["INSTANCE_IPS"].string_value == ""
+    assert build_node(empty).id == empty.node_id
+
+
 def test_local_xds_and_on_demand() -> None:
     c = from_env({})
     assert (c.local_xds_path, c.local_xds, c.xds_on_demand) == (None, None, False)

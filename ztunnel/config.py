@@ -249,7 +249,7 @@ class Config:
     @property
     def node_id(self) -> str:
         """The xDS node id: ``ztunnel~<INSTANCE_IP|1.1.1.1>~<POD_NAME>.<NS>~<NS>.svc.cluster.local``."""
-        ip = self.instance_ip or "1.1.1.1"
+        ip = self.instance_ip if self.instance_ip is not None else "1.1.1.1"  # set but empty stays empty, as upstream
         ns = self.pod_namespace or ""
         return f"ztunnel~{ip}~{self.pod_name or ''}.{ns}~{ns}.svc.cluster.local"  # literal domain, as upstream
 

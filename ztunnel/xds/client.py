@@ -203,7 +203,8 @@ def build_node(config: Config) -> base_pb2.Node:
     fields: dict[str, Any] = {
         "NAME": config.pod_name or "",
         "NAMESPACE": config.pod_namespace or "",
-        "INSTANCE_IPS": config.instance_ip or DEFAULT_INSTANCE_IP,
+        # Unset: 1.1.1.1; set but empty: empty (upstream's env::var(INSTANCE_IP).unwrap_or(DEFAULT_IP)).
+        "INSTANCE_IPS": config.instance_ip if config.instance_ip is not None else DEFAULT_INSTANCE_IP,
         "NODE_NAME": config.node_name or "",
     }
     fields.update(config.proxy_metadata)
