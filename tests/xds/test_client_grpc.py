@@ -352,9 +352,13 @@ async def test_tls_verification(cp: XdsServer, extra: dict[str, str], ok: bool) 
             assert cp.sessions == []
 
 
-async def test_bad_root_file_is_a_connection_error(cp: XdsServer, tmp_path: Path) -> None:
+async def test_bad_root_file_is_an_error(cp: XdsServer, tmp_path: Path) -> None:
+    """A root certificate that does not load is upstream's Error (its fetch_cert fails before any connection), not
+    a ConnectionError."""
     async with running({**ztunnel_env(cp), "XDS_ROOT_CA": str(tmp_path / "missing.pem")}) as node:
         await wait_until(lambda: node.client.last_error is not None, 2)
+        assert node.client.terminations[ConnectionTerminationReason.ERROR] >= 1
+        assert node.client.terminations[ConnectionTerminationReason.CONNECTION_ERROR] == 0
         assert "XDS_ROOT_CA=" in (node.client.last_error or "") and "no such file and not inline PEM" in (
             node.client.last_error or ""
         )

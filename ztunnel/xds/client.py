@@ -364,6 +364,11 @@ class _BadResponse(ZtunnelError):
     """The server sent bytes that are not a ``DeltaDiscoveryResponse``."""
 
 
+class _SetupFailed(ZtunnelError):
+    """The channel could not be made before any connection: the root certificate (``XDS_ROOT_CA``) does not load,
+    or the address does not parse."""
+
+
 # The ADS method, called with raw bytes out (rather than the generated stub's deserializer): grpc.aio logs a
 # traceback and hands back ``None`` for a message its deserializer refuses, so decoding is done here instead.
 _ADS_METHOD = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources"
@@ -525,8 +530,10 @@ class AdsClient:
             log.warning("XDS client connection error: %s, retrying in %s", e, _fmt(backoff))
             await asyncio.sleep(backoff)
             return backoff
-        except _BadResponse as e:
-            # Upstream: tonic fails the stream with Internal ("failed to decode Protobuf message"), an Error.
+        except (_BadResponse, _SetupFailed) as e:
+            # Upstream: tonic fails the stream with Internal ("failed to decode Protobuf message"), an Error; a root
+            # certificate or channel that cannot be made is one of its "other errors", an Error too (retried there at
+            # once, without a pause, which would spin on a missing file: here with the backoff).
             backoff = min(MAX_BACKOFF, backoff * 2)
             self._terminated(ConnectionTerminationReason.ERROR, str(e))
             log.warning("XDS client error: %s, retrying in %s", e, _fmt(backoff))
@@ -559,7 +566,7 @@ class AdsClient:
             metadata = [*auth_metadata(cfg.auth, cfg.cluster_id), *cfg.xds_headers]
             channel = secure_channel(self.address, root, cfg.alt_xds_hostname, "XDS_ADDRESS")
         except ControlPlaneError as e:
-            raise _ConnectFailed(str(e)) from None
+            raise _SetupFailed(str(e)) from None
         outgoing: asyncio.Queue[pb.DeltaDiscoveryRequest] = asyncio.Queue()
         for req in self.core.initial_requests():
             log.debug(
