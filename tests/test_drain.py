@@ -11,6 +11,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
+from ztunnel.drain import drain_together
 from ztunnel.testing import EchoServer, TwoNodeMesh, ZtunnelProcess
 
 
@@ -122,3 +125,27 @@ async def test_second_sigint_exits_at_once(tmp_path: Path) -> None:
         node_a.stop()
         node_b.stop()
         await echo.stop()
+
+
+async def test_one_failing_drain_never_cuts_the_others_short(caplog: pytest.LogCaptureFixture) -> None:
+    """``drain_together``: the parts run side by side; one that raises is logged by name, the others run to their
+    end (a failing pod's drain must not close the rest before their deadline)."""
+    finished: list[str] = []
+    release = asyncio.Event()
+
+    async def fails() -> None:
+        raise RuntimeError("its netns is gone")
+
+    async def slow() -> None:
+        await release.wait()
+        finished.append("slow")
+
+    together = asyncio.ensure_future(  # noqa: TID251 - test-owned, awaited below
+        drain_together([("the proxies of pod a", fails()), ("the proxies of pod b", slow())])
+    )
+    await asyncio.sleep(0.05)
+    assert not together.done()  # the failure did not end it: pod b is still draining
+    release.set()
+    await asyncio.wait_for(together, 5)
+    assert finished == ["slow"]
+    assert "draining the proxies of pod a failed: its netns is gone" in caplog.text

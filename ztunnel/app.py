@@ -21,7 +21,7 @@ from ztunnel.admin import AdminServer
 from ztunnel.config import Config, ProxyMode
 from ztunnel.crl import CrlError, CrlManager
 from ztunnel.dns.metrics import Metrics as DnsMetrics
-from ztunnel.drain import Drain, DrainMode
+from ztunnel.drain import Drain, DrainMode, drain_together
 from ztunnel.errors import ZtunnelError
 from ztunnel.identity.ca import CaError, LocalCA
 from ztunnel.identity.manager import CertificateProvider
@@ -433,13 +433,13 @@ class App:
         proxy = self.proxy
         if proxy is not None:
             proxy.drain()  # stop accepting and GOAWAY before anything awaits
+        drains: list[tuple[str, Awaitable[None]]] = []
         if self.dns_proxy is not None:
-            await self.dns_proxy.close()  # upstream stops the DNS server as the drain starts
-        drains: list[Awaitable[None]] = []
+            drains.append(("the DNS proxy", self.dns_proxy.close()))  # upstream stops it as the drain starts
         if proxy is not None:
-            drains.append(self._finish_proxy(proxy, deadline))
+            drains.append(("the proxy", self._finish_proxy(proxy, deadline)))
         if self.self_proxy is not None:
-            drains.append(self.self_proxy.stop(not self.drain.forced, deadline))
+            drains.append(("ztunnel's own inbound", self.self_proxy.stop(not self.drain.forced, deadline)))
         if self.inpod_state is not None:
             if self.inpod_task is not None:
                 self.inpod_task.cancel()  # stop talking ZDS first: no new pods during the drain
@@ -447,8 +447,8 @@ class App:
             for pp in pods:
                 pp.deadline = deadline
             self.tasks.spawn(self._force_pods(pods), "force pod drains")
-            drains.append(self.inpod_state.drain())
-        await asyncio.gather(*drains)
+            drains.append(("the pods' proxies", self.inpod_state.drain()))
+        await drain_together(drains)
         await self.tasks.cancel_all(timeout=1.0)
         for server in (self.readiness_server, self.stats_server):
             if server is not None:

@@ -11,6 +11,7 @@ import asyncio
 import enum
 import logging
 import time
+from collections.abc import Awaitable
 
 log = logging.getLogger("ztunnel.drain")
 
@@ -60,3 +61,12 @@ class Drain:
 
     async def wait_forced(self) -> None:
         await self._force.wait()
+
+
+async def drain_together(parts: list[tuple[str, Awaitable[None]]]) -> None:
+    """Run the named drains side by side (one deadline for all, as upstream's one drain signal) until each ended; one
+    that fails is logged with its name and never cuts the others short."""
+    results = await asyncio.gather(*(part for _, part in parts), return_exceptions=True)
+    for (name, _), result in zip(parts, results, strict=True):
+        if isinstance(result, Exception):
+            log.error("draining %s failed: %s", name, result or type(result).__name__)

@@ -16,13 +16,13 @@ Pure bookkeeping plus an injected :class:`ProxyFactory`, so it is unit-tested wi
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from ztunnel.config import WorkloadInfo
+from ztunnel.drain import drain_together
 from ztunnel.errors import ZtunnelError
 from ztunnel.inpod.netns import Netns, NetnsId
 from ztunnel.inpod.protocol import AddWorkload, DelWorkload, KeepWorkload, SnapshotSent, WorkloadMessage, close_fd
@@ -188,7 +188,9 @@ class WorkloadProxyManagerState:
         pods = list(self.pods.values())
         self.pods.clear()
         self.stopped += sum(1 for p in pods if p.proxies is not None)
-        await asyncio.gather(*(p.proxies.stop(immediate=False) for p in pods if p.proxies is not None))
+        await drain_together(
+            [(f"the proxies of pod {p.uid}", p.proxies.stop(immediate=False)) for p in pods if p.proxies is not None]
+        )
         for pod in pods:
             if pod.netns is not None:
                 pod.netns.close()

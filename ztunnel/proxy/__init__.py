@@ -76,12 +76,15 @@ class Proxy:
         self.pi.pool.close()
 
     async def wait_idle(self, timeout: float) -> bool:
-        """Wait until every tracked connection closed; False if some were still open at ``timeout``, or the drain
-        was forced first (a second SIGINT: "exit immediately" must not sit out the rest of the deadline)."""
+        """Wait until every tracked connection and every inbound HBONE connection closed (one without streams closes
+        once its peer answered the drain GOAWAY's PING: a CONNECT that crossed the GOAWAY is served first); False if
+        some were still open at ``timeout``, or the drain was forced first (a second SIGINT: "exit immediately" must
+        not sit out the rest of the deadline)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         drain = self.pi.drain
-        while len(self.pi.connections) or len(self.pi.tasks):
+        inbound = self.inbound.connections
+        while len(self.pi.connections) or len(self.pi.tasks) or inbound:
             left = deadline - loop.time()
             if left <= 0 or drain.forced:
                 return False

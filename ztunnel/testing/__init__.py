@@ -291,7 +291,8 @@ class ZtunnelProcess:
         """Start the process and wait (up to ``timeout``) until it is ready, or only start it (``wait_ready``)."""
         if self.log_path is not None:
             self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-            PROCESS_LOGS.append(self)
+            if self not in PROCESS_LOGS:  # started again (a restart): its log once
+                PROCESS_LOGS.append(self)
         out = self._log if self._log is not None else subprocess.DEVNULL
         argv = [*self.prefix, *self.argv]
         if self.kill_with_parent:

@@ -23,7 +23,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -32,7 +32,7 @@ from ztunnel import telemetry, thirdparty
 from ztunnel.config import Config, LogFormat, ProxyMode
 from ztunnel.dns import DnsProxy
 from ztunnel.dns.metrics import Metrics as DnsMetrics
-from ztunnel.drain import Drain, DrainMode
+from ztunnel.drain import Drain, DrainMode, drain_together
 from ztunnel.identity.certificate import WorkloadCertificate
 from ztunnel.identity.manager import CertificateUnavailable
 from ztunnel.identity.spiffe import Identity
@@ -458,14 +458,15 @@ class Worker:
         self._draining = self.tasks.spawn(self._drain_all(msg.graceful, msg.deadline), "drain")
 
     async def _drain_all(self, graceful: bool, deadline: float) -> None:
-        if self.dns_proxy is not None:
-            await self.dns_proxy.close()
         proxy = self.proxy
-        waits = []
+        if proxy is not None:
+            proxy.drain()  # stop accepting and GOAWAY before anything awaits
+        waits: list[tuple[str, Awaitable[None]]] = []
+        if self.dns_proxy is not None:
+            waits.append(("the DNS proxy", self.dns_proxy.close()))
         if proxy is not None:
 
             async def dedicated() -> None:
-                proxy.drain()
                 if not graceful or not await proxy.wait_idle(deadline):
                     if not self.drain.forced:  # else a second SIGINT said so (the control process logged it)
                         log.warning("drain duration expired with pending connections, forcefully shutting down")
@@ -473,15 +474,15 @@ class Worker:
                     proxy.force_close()
                 await proxy.pi.tasks.cancel_all(timeout=1.0)
 
-            waits.append(dedicated())
+            waits.append(("the proxy", dedicated()))
         if self.self_proxy is not None:
-            waits.append(self.self_proxy.stop(graceful, deadline))
-        for pod in self.pods.values():
+            waits.append(("ztunnel's own inbound", self.self_proxy.stop(graceful, deadline)))
+        for uid, pod in self.pods.items():
             pod.proxies.deadline = deadline
             if not graceful:
                 pod.proxies.proxy.pi.drain.force()
-            waits.append(pod.proxies.stop(immediate=not graceful))
-        await asyncio.gather(*waits, return_exceptions=True)
+            waits.append((f"the proxies of pod {uid}", pod.proxies.stop(immediate=not graceful)))
+        await drain_together(waits)
         for pod in self.pods.values():
             pod.netns.close()
         self.pods.clear()

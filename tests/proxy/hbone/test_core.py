@@ -262,6 +262,19 @@ def test_graceful_goaway_serves_a_connect_sent_before_the_peer_saw_it() -> None:
     assert refused.error_code == ErrorCode.REFUSED_STREAM
 
 
+def test_graceful_goaway_before_initiate_follows_the_settings() -> None:
+    """A drain while the TLS handshake is still running: SETTINGS stay the server's first frame (RFC 9113 §3.4), the
+    GOAWAY 2^31-1 and its PING come right after."""
+    s = HboneConnection(False)
+    s.goaway_gracefully()
+    assert s.data_to_send() == b""
+    s.initiate()
+    sent = frames(s.data_to_send())
+    assert isinstance(sent[0], SettingsFrame)
+    assert [type(f) for f in sent[-2:]] == [GoAwayFrame, PingFrame]
+    assert all(not isinstance(f, GoAwayFrame) for f in sent[:-2])
+
+
 def test_after_goaway_received_open_streams_can_still_end_and_reset() -> None:
     """A graceful GOAWAY lets open streams finish: the receiver must still be able to half-close and reset them
     (h2 alone would refuse to send anything once it saw the GOAWAY)."""

@@ -405,6 +405,8 @@ class HboneConnection:
         self.goaway_received: GoAwayReceived | None = None
         self.goaway_sent: int | None = None  # the last stream id we promised to process
         self.goaway_announced = False  # the first GOAWAY of a graceful one (2^31-1) sent, its PING not yet answered
+        self._initiated = False  # our SETTINGS are queued: the first frame a server sends (RFC 9113 §3.4)
+        self._drain_on_initiate = False  # a graceful GOAWAY asked for before that: sent right after them
         self.closed = False
 
     # -- setup -----------------------------------------------------------------------------------------------
@@ -428,6 +430,9 @@ class HboneConnection:
         increment = s.connection_window - _DEFAULT_WINDOW
         if increment > 0:
             self.out += _WINDOW_UPDATE.pack(4 << 8 | WINDOW_UPDATE, 0, 0, increment)
+        self._initiated = True
+        if self._drain_on_initiate:
+            self.goaway_gracefully()
 
     # -- receiving -------------------------------------------------------------------------------------------
 
@@ -1219,6 +1224,9 @@ class HboneConnection:
         PING is answered. A CONNECT the peer sent before it saw the first GOAWAY is then served, not refused: the
         PING's answer comes after every frame the peer sent before it."""
         if self.goaway_sent is not None or self.goaway_announced:
+            return
+        if not self._initiated:  # a drain during the TLS handshake: SETTINGS go first, the GOAWAY right after
+            self._drain_on_initiate = True
             return
         self.goaway_announced = True
         self.out += _GOAWAY.pack(8 << 8 | GOAWAY, 0, 0, _MAX_STREAM_ID, ErrorCode.NO_ERROR)
