@@ -158,7 +158,8 @@ async def test_pod_presenting_another_pods_certificate(tmp_path: Path, caplog: p
 
 
 async def test_server_presenting_the_wrong_identity(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Outbound: node B serves a certificate for an identity node A does not expect: refused, IDENTITY_ERROR."""
+    """Outbound: node B serves a certificate for an identity node A does not expect: refused, counted CONNECT at the
+    source as upstream does (its client handshake fails as an I/O error), the reason in the log."""
     m = TwoNodeMesh(tmp_path)
     echo = await EchoServer().start(*m.server_app)
     caplog.set_level(logging.INFO, logger="access")
@@ -173,14 +174,15 @@ async def test_server_presenting_the_wrong_identity(tmp_path: Path, caplog: pyte
         flags = [s["response_flags"] for s in await failed(m.node_a) if s["reporter"] == "source"]
     await echo.stop()
     errors = [str(getattr(r, "fields", {}).get("error", "")) for r in caplog.records]
-    assert flags == ["IDENTITY_ERROR"], errors
+    assert flags == ["CONNECT"], errors
     assert echo.connections == 0
     assert any("do not match the expected identities" in e for e in errors), errors
 
 
 async def test_server_presenting_a_ca_certificate(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Outbound: "node B" is a TLS server on B's 15008 whose leaf, for the right identity and from the mesh CA, is
-    a CA certificate (CA:TRUE). Node A refuses it as webpki does (CaUsedAsEndEntity): TLS_FAILURE, nothing sent."""
+    a CA certificate (CA:TRUE). Node A refuses it as webpki does (CaUsedAsEndEntity): counted CONNECT at the source
+    as upstream does, the reason in the log, nothing sent."""
     m = TwoNodeMesh(tmp_path)
     caplog.set_level(logging.INFO, logger="access")
     received: list[bytes] = []
@@ -203,6 +205,6 @@ async def test_server_presenting_a_ca_certificate(tmp_path: Path, caplog: pytest
             await asyncio.sleep(0.1)
             flags = [s["response_flags"] for s in await failed(m.node_a) if s["reporter"] == "source"]
     errors = [str(getattr(r, "fields", {}).get("error", "")) for r in caplog.records]
-    assert flags == ["TLS_FAILURE"], errors
+    assert flags == ["CONNECT"], errors
     assert any("CA certificate (basicConstraints CA:TRUE)" in e and "CaUsedAsEndEntity" in e for e in errors), errors
     assert received in ([], [b""]), received  # A closed without sending a byte of HTTP/2

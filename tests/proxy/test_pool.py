@@ -13,6 +13,7 @@ import ipaddress
 import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -428,11 +429,13 @@ async def test_concurrent_requests_share_a_failed_dial(env: Env) -> None:
 
 
 async def test_server_identity_mismatch(env: Env) -> None:
+    """A server of another identity: refused, CONNECT as upstream's failed client handshake (upstream's binary counts
+    a wrong SAN, an unknown root and a CA as the leaf all as CONNECT at the source)."""
     pool = env.pool()
     key = key_for(dst_id=(Identity(TD, "default", "someone-else"),))
     with pytest.raises(ProxyError) as err:
         await pool.open_stream(key, f"{B_IP}:8080", [])
-    assert err.value.flag is ResponseFlag.IDENTITY_ERROR
+    assert err.value.flag is ResponseFlag.CONNECT
     assert "someone-else" in str(err.value) or "identity" in str(err.value).lower()
     assert_nothing_pooled(pool)
     # The right identity on the same address works, and is its own key.
@@ -440,13 +443,39 @@ async def test_server_identity_mismatch(env: Env) -> None:
     assert pool.dials == 1
 
 
-async def test_server_from_another_ca_is_a_tls_failure(env: Env) -> None:
+async def test_server_from_another_ca_fails_the_connection(env: Env) -> None:
     pool = env.pool(ca_dir=env.tmp / "other-ca")  # trusts a different root: the server's chain fails
     with pytest.raises(ProxyError) as err:
         await pool.open_stream(key_for(), f"{B_IP}:8080", [])
-    assert err.value.flag is ResponseFlag.TLS_FAILURE
+    assert err.value.flag is ResponseFlag.CONNECT
     assert "TLS" in str(err.value)
     assert_nothing_pooled(pool)
+
+
+async def test_no_certificate_for_the_source_is_an_identity_error(env: Env) -> None:
+    """The source's certificate cannot be had (here a local CA that refuses to sign): upstream's Error::Identity,
+    IDENTITY_ERROR, the reason in the message; nothing dialled."""
+    pool = env.pool()
+    pool._certs = LocalCertificateProvider(LocalCA.load_or_create(env.tmp / "ca", TD), ttl=timedelta(seconds=-10))
+    with pytest.raises(ProxyError) as err:
+        await pool.open_stream(key_for(), f"{B_IP}:8080", [])
+    assert err.value.flag is ResponseFlag.IDENTITY_ERROR
+    assert f"no certificate for {CLIENT_ID}" in str(err.value) and "ttl must be positive" in str(err.value)
+    assert_nothing_pooled(pool)
+
+
+async def test_a_connection_out_of_stream_ids_is_left_for_a_new_one(env: Env) -> None:
+    """A long-lived pooled connection that used its 2^30 client stream ids takes no more: the next request dials a
+    new connection instead of failing (it raised StreamLimitError out of the pool, for every later request too)."""
+    pool = env.pool()
+    first = await open_ok(pool, key_for())
+    worn = conn_of(first)
+    worn.core._next_stream_id = 2**31 + 1  # as after 2^30 streams
+    second = await open_ok(pool, key_for())
+    assert conn_of(second) is not worn and pool.dials == 2
+    assert worn.draining and not worn.closed  # its open stream may finish
+    first.reset()
+    await eventually(lambda: worn.closed)
 
 
 async def test_closed_pool_refuses_new_streams(env: Env) -> None:

@@ -53,19 +53,34 @@ class ProxyError(ZtunnelError):
         self.flag = flag
         self.timed_out = timed_out
 
+    # The source side's flags for a dial that failed are upstream's, whatever the reason the message gives: its
+    # client handshake (rustls, the server's certificate checked inside it) fails as an I/O error, which its
+    # metrics map to CONNECT, never TLS_FAILURE or IDENTITY_ERROR (proxy/metrics.rs extract_failure_reason; seen
+    # on its binary: a wrong SAN, an unknown root and a CA as the leaf all count CONNECT at the source).
+
     @classmethod
     def server_rejected(cls, what: str, e: tls.TlsError) -> ProxyError:
         """Our check of an HBONE server's certificate after its handshake failed (``what``: the connection, for the
-        log). A certificate webpki would refuse inside the handshake (a CA as the leaf) is a TLS failure upstream,
-        any other mismatch an identity error."""
-        flag = ResponseFlag.TLS_FAILURE if isinstance(e, tls.HandshakeFailed) else ResponseFlag.IDENTITY_ERROR
-        return cls(f"{what}: {e}", flag)
+        log): CONNECT, as upstream's failed client handshake."""
+        return cls(f"{what}: {e}")
 
     @classmethod
     def closed_before_ready(cls, what: str, reason: CloseReason) -> ProxyError:
-        """An HBONE client connection ended before it was ready: a failed TLS handshake, or any other end."""
-        flag = ResponseFlag.TLS_FAILURE if reason.tls_failure else ResponseFlag.CONNECT
-        return cls(f"{what}: {reason}", flag, timed_out=reason.timed_out)
+        """An HBONE client connection ended before it was ready (a failed or timed-out TLS handshake, or any other
+        end): CONNECT, as upstream's."""
+        return cls(f"{what}: {reason}", timed_out=reason.timed_out)
+
+    @classmethod
+    def stream_failed(cls, e: ConnectionError, timed_out: bool) -> ProxyError:
+        """Our CONNECT's stream was reset, refused or lost with its connection before the answer came: upstream's
+        HTTP/2 error (``Error::H2``), the H2_HANDSHAKE_FAILURE flag."""
+        return cls(f"HBONE stream failed: {e}", ResponseFlag.H2_HANDSHAKE_FAILURE, timed_out=timed_out)
+
+    @classmethod
+    def no_certificate(cls, identity: object, why: object) -> ProxyError:
+        """No certificate for the source identity (the CA down, a renewal failed, expired): upstream's
+        ``Error::Identity``, the IDENTITY_ERROR flag."""
+        return cls(f"no certificate for {identity}: {why}", ResponseFlag.IDENTITY_ERROR)
 
 
 class HttpStatusError(ProxyError):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from ztunnel import baggage
 from ztunnel.dns.lookup import pick_address
 from ztunnel.errors import ZtunnelError
+from ztunnel.identity.manager import CertificateUnavailable
 from ztunnel.identity.spiffe import Identity
 from ztunnel.net import format_addr
 from ztunnel.proxy.common import (
@@ -414,6 +415,8 @@ class Outbound(Listener):
             self._fail(plain, src, dst, record, e, ready)
         except (OSError, ConnectionError) as e:
             self._fail(plain, src, dst, record, ProxyError(str(e), timed_out=is_timeout(e)), ready)
+        except ZtunnelError as e:  # any other refusal ends this connection alone, logged and counted (CONNECT)
+            self._fail(plain, src, dst, record, ProxyError(str(e)), ready)
 
     def _fail(
         self,
@@ -492,7 +495,10 @@ class Outbound(Listener):
         outer = await self._open_outer(src, req, authority, traceparent)
         record.tunnel = outer.conn  # the gateway's certificate revoked by a CRL closes the outer connection
         try:
-            cert = await pi.certs.fetch_certificate(req.source.identity)
+            try:
+                cert = await pi.certs.fetch_certificate(req.source.identity)
+            except CertificateUnavailable as e:
+                raise ProxyError.no_certificate(req.source.identity, e.reason) from None
             inner, _pipe = await open_inner(
                 outer,
                 pi.contexts.client(req.source.identity, cert),
@@ -550,7 +556,7 @@ async def _established(stream: HboneStream) -> None:
 
 def _stream_failed(stream: HboneStream, e: ConnectionError) -> ProxyError:
     lost = stream.lost
-    return ProxyError(f"HBONE stream failed: {e}", timed_out=lost is not None and lost.timed_out)
+    return ProxyError.stream_failed(e, timed_out=lost is not None and lost.timed_out)
 
 
 def _is_local(pi: ProxyInputs, ip: IPAddress) -> bool:

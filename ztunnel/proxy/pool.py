@@ -134,7 +134,10 @@ class WorkloadHBONEPool:
             self._conns.setdefault(key, []).append(conn)
             fut.set_result(conn)
             self._schedule_reaper()
-            return conn.open_stream(authority, headers)
+            stream = conn.open_stream_within(self.max_streams, authority, headers)
+            if stream is None:  # the new connection ended (or was told GOAWAY) before this resumed
+                raise ProxyError.stream_failed(ConnectionError(f"HBONE connection to {key.dst} closed"), False)
+            return stream
 
     async def _dial(self, key: WorkloadKey) -> HboneTransport:
         loop = running_loop()
@@ -143,7 +146,7 @@ class WorkloadHBONEPool:
         except Exception as e:
             # No certificate (CA down, renewal failed, expired): fail this connection with the reason, as upstream.
             why = e.reason if isinstance(e, CertificateUnavailable) else e
-            raise ProxyError(f"no certificate for {key.src_id}: {why}") from None
+            raise ProxyError.no_certificate(key.src_id, why) from None
         ctx = self._contexts.client(key.src_id, cert)
         ip, port = key.dst
         sock = self._sockets.tcp(family_of(ip))

@@ -52,6 +52,7 @@ from ztunnel.proxy.hbone.core import (
     RequestRefused,
     Settings,
     StreamEnded,
+    StreamLimitError,
     StreamReset,
     WindowOpened,
 )
@@ -571,7 +572,11 @@ class HboneTransport(asyncio.BufferedProtocol):
             return None
         # open_stream's body (a call fewer per connection; the same CONNECT). No last_active here: the reaper
         # closes only connections without streams, and detach() stamps it when the last one finishes.
-        stream_id = self.core.send_connect(authority, headers, "CONNECT")
+        try:
+            stream_id = self.core.send_connect(authority, headers, "CONNECT")
+        except StreamLimitError:  # its 2^30 stream ids used up: it takes no more, the pool dials another
+            self.drain_when_idle()
+            return None
         stream = HboneStream(self, stream_id, self._loop.create_future())
         streams[stream_id] = stream
         self.flush()
