@@ -271,6 +271,31 @@ async def test_forwarding_to_local_upstream(upstream: UpstreamDns) -> None:
         await p.close()
 
 
+async def test_an_upstream_answer_without_records_counts_as_a_failure(upstream: UpstreamDns) -> None:
+    """istio_dns_upstream_failures_total as upstream's: its resolver fails on NXDOMAIN and on NOERROR without
+    records (hickory's NoRecordsFound) as on SERVFAIL, and each failure is counted; an answer with records is not."""
+    metrics = Metrics()
+    p = make_proxy(system_forwarder(upstream), metrics=metrics)
+    await p.start()
+    try:
+        labels = {
+            "request_query_type": "a",
+            "request_protocol": "udp",
+            "source_canonical_service": "client-app",
+            "source_canonical_revision": "v1",
+        }
+        assert (await udp(p, "test.example.com.")).answer
+        assert sample_value(metrics, "istio_dns_upstream_failures_total", labels) is None
+        assert (await udp(p, "fake-blahblahblah.com.")).rcode() == dns.rcode.NXDOMAIN
+        assert sample_value(metrics, "istio_dns_upstream_failures_total", labels) == 1
+        txt = await udp(p, "test.example.com.", dns.rdatatype.TXT)
+        assert txt.rcode() == dns.rcode.NOERROR and not txt.answer
+        txt_labels = {**labels, "request_query_type": "txt"}
+        assert sample_value(metrics, "istio_dns_upstream_failures_total", txt_labels) == 1
+    finally:
+        await p.close()
+
+
 @needs_dig
 async def test_dig_through_proxy_to_upstream(upstream: UpstreamDns) -> None:
     p = make_proxy(system_forwarder(upstream))

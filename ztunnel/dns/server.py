@@ -298,7 +298,9 @@ class DnsProxy:
         finally:
             self._in_flight -= 1
             self.metrics.forward_duration(fwd.labels, time.monotonic() - start)
-        if upstream is None or upstream.rcode() not in (dns.rcode.NOERROR, dns.rcode.NXDOMAIN):
+        # Upstream's failures are its resolver's errors, and hickory's lookup fails on NXDOMAIN and on an answer
+        # without records (NoRecordsFound) as on SERVFAIL or a timeout: so every answer without records counts.
+        if upstream is None or upstream.rcode() != dns.rcode.NOERROR or not upstream.answer:
             self.metrics.forward_failed(fwd.labels)
         return self.handler.forwarded(fwd, upstream)
 
