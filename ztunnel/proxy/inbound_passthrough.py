@@ -40,8 +40,12 @@ class InboundPassthrough(Listener):
         assert plain.transport is not None
         plain.on_lost = OpenSocket(self.pi.connections.traffic, "destination").closed
         transport = plain.transport
-        dst = accepted_destination(transport, self.pi.sockets.cfg)
-        src = transport_peer(transport)
+        try:
+            dst = accepted_destination(transport, self.pi.sockets.cfg)
+            src = transport_peer(transport)
+        except (TypeError, OSError):  # reset before it was served: no peer address (or socket) left to serve
+            transport.abort()
+            return
         self.pi.tasks.spawn(self._proxy(plain, src, dst), "inbound passthrough")
 
     async def _proxy(self, plain: PlainConnection, src: tuple[IPAddress, int], dst: tuple[IPAddress, int]) -> None:

@@ -344,8 +344,12 @@ class Outbound(Listener):
         assert plain.transport is not None
         plain.on_lost = OpenSocket(self.pi.connections.traffic, "source").closed
         transport = plain.transport
-        dst = accepted_destination(transport, self.pi.sockets.cfg)
-        src = transport_peer(transport)
+        try:
+            dst = accepted_destination(transport, self.pi.sockets.cfg)
+            src = transport_peer(transport)
+        except (TypeError, OSError):  # reset before it was served: no peer address (or socket) left to serve
+            transport.abort()
+            return
         self.pi.tasks.spawn(self.proxy_to(plain, src, dst), "outbound")  # a constant: no formatting per connection
 
     async def proxy_to(

@@ -226,7 +226,10 @@ class _Handshake(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         self.socket = OpenSocket(self.owner.pi.connections.traffic, "source")
         set_accepted_options(transport.get_extra_info("socket"), self.owner.pi.sockets.cfg, keepalive=False)
-        self.src = transport_peer(transport)
+        try:
+            self.src = transport_peer(transport)
+        except TypeError:  # reset before it was served: the transport kept no peer address, nothing to answer
+            transport.close()
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None and self.src is not None
