@@ -171,6 +171,20 @@ def accepted_destination(transport: asyncio.BaseTransport, cfg: SocketConfig) ->
         sock.detach()
 
 
+def accepted_addresses(
+    transport: asyncio.BaseTransport, cfg: SocketConfig
+) -> tuple[tuple[IPAddress, int], tuple[IPAddress, int]] | None:
+    """A captured connection's (source, destination) (:func:`accepted_destination`, :func:`transport_peer`), or
+    None, the transport aborted, for a client that reset before the listener ran for it: its transport kept no peer
+    address (and its socket may refuse the options)."""
+    try:
+        dst = accepted_destination(transport, cfg)
+        return transport_peer(transport), dst
+    except (TypeError, OSError):
+        transport.abort()  # type: ignore[attr-defined]  # every accepted transport is a Transport
+        return None
+
+
 def set_accepted_options(sock: _socket.socket, cfg: SocketConfig, keepalive: bool) -> None:
     """15001/15006 accepted sockets get keepalive (``socket.rs::Listener::accept``); every accepted socket is where
     running out of file descriptors is noticed (:class:`FdHeadroom`).

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from ztunnel.proxy import inbound_passthrough
+from ztunnel import sockets
 from ztunnel.state import StateUpdate
 from ztunnel.state.workload import IPAddress
 from ztunnel.testing import EchoServer, TwoNodeMesh, access_fields, eventually, running_app, scrape
@@ -30,7 +30,7 @@ async def node_b(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterat
     m = TwoNodeMesh(tmp_path)
     echo = await EchoServer().start(*m.server_app)
     target: tuple[IPAddress, int] = (ipaddress.ip_address(m.server_app[0]), m.server_app[1])
-    monkeypatch.setattr(inbound_passthrough, "accepted_destination", lambda transport, cfg: target)
+    monkeypatch.setattr(sockets, "accepted_destination", lambda transport, cfg: target)
     async with running_app(m.env_b()) as app:
         b: Any = app
         b.state.apply(StateUpdate(removed_policies=["default/allow-client"]))  # plaintext has no principal

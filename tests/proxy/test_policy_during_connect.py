@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
+from ztunnel import sockets
 from ztunnel.identity.ca import LocalCA
 from ztunnel.identity.spiffe import Identity
-from ztunnel.proxy import inbound_passthrough
 from ztunnel.rbac import Action, Authorization, Match, Scope, StringMatch, StringMatchKind
 from ztunnel.state import StateUpdate
 from ztunnel.state.workload import IPAddress
@@ -119,7 +119,7 @@ async def test_passthrough_deny_while_connecting_closes(
     m, b, held = node_b
     caplog.set_level(logging.INFO, logger="access")
     target: tuple[IPAddress, int] = (ipaddress.ip_address(held.address[0]), held.address[1])
-    monkeypatch.setattr(inbound_passthrough, "accepted_destination", lambda transport, cfg: target)
+    monkeypatch.setattr(sockets, "accepted_destination", lambda transport, cfg: target)
     b.state.apply(StateUpdate(removed_policies=["default/allow-client"]))  # plaintext has no principal to allow
     reader, writer = await asyncio.open_connection(m.node_b, 15006)
     writer.write(b"never delivered")

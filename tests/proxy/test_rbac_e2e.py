@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.proxy.test_identity_rejects import failed
-from ztunnel.proxy import inbound_passthrough
+from ztunnel import sockets
 from ztunnel.rbac import Action, Authorization, Match, Scope, StringMatch, StringMatchKind
 from ztunnel.state import StateUpdate
 from ztunnel.state.workload import IPAddress
@@ -130,7 +130,7 @@ async def test_strict_peer_authentication_blocks_plaintext_on_15006(
     connection is treated as captured on its way to the echo app (the namespaced tests use real capture)."""
     m, _, b, echo = mesh
     target: tuple[IPAddress, int] = (__import__("ipaddress").ip_address(m.server_app[0]), m.server_app[1])
-    monkeypatch.setattr(inbound_passthrough, "accepted_destination", lambda transport, cfg: target)
+    monkeypatch.setattr(sockets, "accepted_destination", lambda transport, cfg: target)
     strict = Authorization(
         "istio_converted_static_strict",
         "default",
@@ -167,7 +167,7 @@ async def test_established_passthrough_connection_closed_within_1s_of_a_denying_
     m, _, b, _ = mesh
     caplog.set_level(logging.INFO, logger="access")
     target: tuple[IPAddress, int] = (ipaddress.ip_address(m.server_app[0]), m.server_app[1])
-    monkeypatch.setattr(inbound_passthrough, "accepted_destination", lambda transport, cfg: target)
+    monkeypatch.setattr(sockets, "accepted_destination", lambda transport, cfg: target)
     b.state.apply(StateUpdate(removed_policies=["default/allow-client"]))  # plaintext has no principal to allow
     reader, writer = await asyncio.open_connection(m.node_b, 15006)
     writer.write(b"before")

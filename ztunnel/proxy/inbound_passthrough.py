@@ -20,7 +20,7 @@ from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.metrics import OpenSocket
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.rbac import Connection
-from ztunnel.sockets import accepted_destination, transport_peer
+from ztunnel.sockets import accepted_addresses
 from ztunnel.state.workload import IPAddress, NetworkAddress
 
 log = logging.getLogger("ztunnel.proxy.inbound_passthrough")
@@ -39,13 +39,10 @@ class InboundPassthrough(Listener):
     def _accepted(self, plain: PlainConnection) -> None:
         assert plain.transport is not None
         plain.on_lost = OpenSocket(self.pi.connections.traffic, "destination").closed
-        transport = plain.transport
-        try:
-            dst = accepted_destination(transport, self.pi.sockets.cfg)
-            src = transport_peer(transport)
-        except (TypeError, OSError):  # reset before it was served: no peer address (or socket) left to serve
-            transport.abort()
+        addresses = accepted_addresses(plain.transport, self.pi.sockets.cfg)
+        if addresses is None:  # reset before it was served
             return
+        src, dst = addresses
         self.pi.tasks.spawn(self._proxy(plain, src, dst), "inbound passthrough")
 
     async def _proxy(self, plain: PlainConnection, src: tuple[IPAddress, int], dst: tuple[IPAddress, int]) -> None:

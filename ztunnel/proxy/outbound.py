@@ -58,9 +58,8 @@ from ztunnel.proxy.metrics import DerivedWorkload, OpenSocket
 from ztunnel.proxy.pool import WorkloadKey
 from ztunnel.proxy.relay import PlainConnection, PlainRelay
 from ztunnel.sockets import (
-    accepted_destination,
+    accepted_addresses,
     family_of,
-    transport_peer,
 )
 from ztunnel.state import ProxyState
 from ztunnel.state.service import LoadBalancerMode, Service
@@ -343,13 +342,10 @@ class Outbound(Listener):
     def _accepted(self, plain: PlainConnection) -> None:
         assert plain.transport is not None
         plain.on_lost = OpenSocket(self.pi.connections.traffic, "source").closed
-        transport = plain.transport
-        try:
-            dst = accepted_destination(transport, self.pi.sockets.cfg)
-            src = transport_peer(transport)
-        except (TypeError, OSError):  # reset before it was served: no peer address (or socket) left to serve
-            transport.abort()
+        addresses = accepted_addresses(plain.transport, self.pi.sockets.cfg)
+        if addresses is None:  # reset before it was served
             return
+        src, dst = addresses
         self.pi.tasks.spawn(self.proxy_to(plain, src, dst), "outbound")  # a constant: no formatting per connection
 
     async def proxy_to(
