@@ -30,11 +30,22 @@ FILES = {
 
 
 def dnspython(path: Path) -> ResolvConf:
-    """What the forwarder read before: dnspython's reading, in ResolvConf's terms."""
+    """What the forwarder read before: dnspython's reading, in ResolvConf's terms, but for one rule: when the last
+    ``search``/``domain`` line is a ``domain``, that domain is the search list (glibc's and upstream's reading;
+    dnspython keeps it apart as ``Resolver.domain``)."""
     r = dns.resolver.Resolver(configure=False)
     r.read_resolv_conf(str(path))
     servers = tuple(Nameserver(canonical_ip(ipaddress.ip_address(str(ns).split("%")[0]))) for ns in r.nameservers)
-    return ResolvConf(servers, tuple(r.search), float(r.timeout) if r.timeout else DEFAULT_TRY_TIMEOUT)
+    keys = [line.split()[0] for line in path.read_text().splitlines() if line.split()[:1] in (["search"], ["domain"])]
+    search = (r.domain,) if keys and keys[-1] == "domain" else tuple(r.search)
+    return ResolvConf(servers, search, float(r.timeout) if r.timeout else DEFAULT_TRY_TIMEOUT)
+
+
+def test_a_domain_alone_is_the_search_list() -> None:
+    """As glibc and upstream's resolver (resolv-conf's get_last_search_or_domain): ``domain`` without a later
+    ``search`` is the search list, so names asked under it are stripped to their alias in dedicated mode."""
+    conf = ResolvConf.parse("domain example.com\nnameserver 1.1.1.1\n")
+    assert [n.to_text() for n in conf.search] == ["example.com."]
 
 
 @pytest.mark.parametrize("text", FILES.values(), ids=FILES.keys())

@@ -120,14 +120,14 @@ class ResolvConf:
                 except ValueError:
                     log.warning("DNS proxy: ignoring nameserver %r in %s: not an IP address", tokens[1], path)
             elif key in ("domain", "search"):
-                # domain and search exclude each other and the last line wins; a domain alone is no search list
-                # (dnspython's reading: its resolver only searches ``domain`` when asked to)
+                # domain and search exclude each other and the last line wins; a domain alone is the search list,
+                # as glibc and upstream's resolver read it (resolv-conf's get_last_search_or_domain)
                 try:
                     names = [dns.name.from_text(name) for name in (tokens[1:] if key == "search" else tokens[1:2])]
                 except (dns.exception.DNSException, ValueError) as e:
                     log.warning("DNS proxy: ignoring %r in %s: %s", line.strip(), path, e)
                     continue
-                search = names if key == "search" else []
+                search = names
             elif key == "options":
                 for opt in tokens[1:]:
                     if "timeout" in opt:
