@@ -202,3 +202,26 @@ def test_upstream_ztunnel(tmp_path: Path) -> None:
         pytest.fail(f"no JSON report (exit {proc.returncode}):\n{out.decode()}\n{err.decode()}\n{logs}")
     check_report(report, UPSTREAM_DIFFERENCES)
     assert proc.returncode == 0, err.decode()
+
+
+async def test_a_client_goaway_never_cuts_the_last_bytes(tmp_path: Path) -> None:
+    """``streams.goaway_from_client`` 30 times over: after a client's GOAWAY the open tunnel ends with all its bytes
+    and END_STREAM every time. Our close used to answer the client's late frames (WINDOW_UPDATEs) with a TCP reset,
+    which made its kernel drop what it had not read yet (the last DATA or END_STREAM): 2 to 8 runs in 40; a lingering
+    close (FIN, then read and drop until the peer closes) made it 0 in 100."""
+    mesh = TwoNodeMesh(tmp_path)
+    echo = await EchoServer().start(*mesh.server_app)
+    try:
+        async with running_app(mesh.env_b()):
+            ca = LocalCA.load_or_create(mesh.ca_dir, "cluster.local")
+            chain, key = client_files(ca, tmp_path)
+            authority = f"{mesh.server_app[0]}:{mesh.server_app[1]}"
+            args = target_args(mesh.node_b, 15008, mesh.ca_dir, chain, key, authority)
+            checks = []
+            for _ in range(30):
+                _code, report, _err = await cli([*args, "--check", "streams.goaway_from_client"])
+                checks += report["checks"]
+    finally:
+        await echo.stop()
+    assert len(checks) == 30
+    assert all(c["verdict"] == "PASS" for c in checks), [c["observed"] for c in checks if c["verdict"] != "PASS"]
