@@ -9,10 +9,11 @@ data (the ``*_DIFFERENCES`` tables, with the reason for each); every other check
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,9 @@ def target_args(host: str, port: int, ca_dir: Path, chain: Path, key: Path, auth
     ]
 
 
-async def test_our_ztunnel(tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def our_target(tmp_path: Path) -> AsyncIterator[list[str]]:
+    """Our ztunnel as node B (in process) with its echo app; yields the CLI's arguments to check its 15008."""
     mesh = TwoNodeMesh(tmp_path)
     echo = await EchoServer().start(*mesh.server_app)
     try:
@@ -121,9 +124,14 @@ async def test_our_ztunnel(tmp_path: Path) -> None:
             ca = LocalCA.load_or_create(mesh.ca_dir, "cluster.local")
             chain, key = client_files(ca, tmp_path)
             authority = f"{mesh.server_app[0]}:{mesh.server_app[1]}"
-            code, report, err = await cli(target_args(mesh.node_b, 15008, mesh.ca_dir, chain, key, authority))
+            yield target_args(mesh.node_b, 15008, mesh.ca_dir, chain, key, authority)
     finally:
         await echo.stop()
+
+
+async def test_our_ztunnel(tmp_path: Path) -> None:
+    async with our_target(tmp_path) as args:
+        code, report, err = await cli(args)
     check_report(report, OURS_DIFFERENCES)
     assert code == 0, err
     assert report["summary"]["FAIL"] == 0 and report["summary"]["PASS"] >= 25
@@ -209,19 +217,10 @@ async def test_a_client_goaway_never_cuts_the_last_bytes(tmp_path: Path) -> None
     and END_STREAM every time. Our close used to answer the client's late frames (WINDOW_UPDATEs) with a TCP reset,
     which made its kernel drop what it had not read yet (the last DATA or END_STREAM): 2 to 8 runs in 40; a lingering
     close (FIN, then read and drop until the peer closes) made it 0 in 100."""
-    mesh = TwoNodeMesh(tmp_path)
-    echo = await EchoServer().start(*mesh.server_app)
-    try:
-        async with running_app(mesh.env_b()):
-            ca = LocalCA.load_or_create(mesh.ca_dir, "cluster.local")
-            chain, key = client_files(ca, tmp_path)
-            authority = f"{mesh.server_app[0]}:{mesh.server_app[1]}"
-            args = target_args(mesh.node_b, 15008, mesh.ca_dir, chain, key, authority)
-            checks = []
-            for _ in range(30):
-                _code, report, _err = await cli([*args, "--check", "streams.goaway_from_client"])
-                checks += report["checks"]
-    finally:
-        await echo.stop()
+    checks = []
+    async with our_target(tmp_path) as args:
+        for _ in range(30):
+            _code, report, _err = await cli([*args, "--check", "streams.goaway_from_client"])
+            checks += report["checks"]
     assert len(checks) == 30
     assert all(c["verdict"] == "PASS" for c in checks), [c["observed"] for c in checks if c["verdict"] != "PASS"]
