@@ -136,7 +136,9 @@ class WorkloadHBONEPool:
             self._schedule_reaper()
             stream = conn.open_stream_within(self.max_streams, authority, headers)
             if stream is None:  # the new connection ended (or was told GOAWAY) before this resumed
-                raise ProxyError.stream_failed(ConnectionError(f"HBONE connection to {key.dst} closed"), False)
+                raise ProxyError.stream_failed(
+                    ConnectionError(f"HBONE connection to {format_addr(*key.dst)} closed"), False
+                )
             return stream
 
     async def _dial(self, key: WorkloadKey) -> HboneTransport:

@@ -1230,8 +1230,7 @@ class HboneConnection:
             return
         self.goaway_announced = True
         self.out += _GOAWAY.pack(8 << 8 | GOAWAY, 0, 0, _MAX_STREAM_ID, ErrorCode.NO_ERROR)
-        self.out += _HEADER.pack(8 << 8 | PING, 0, 0)
-        self.out += DRAIN_PING
+        self.ping(DRAIN_PING)
 
     @property
     def open_streams(self) -> int:
